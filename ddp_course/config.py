@@ -1,0 +1,246 @@
+"""The one configuration object of the course.
+
+Every runnable module reads a :class:`TrainConfig`. On the command line each field is a
+``--key=value`` flag (``--max_steps=200`` or ``--max-steps=200``); unknown keys and values of the
+wrong type are refused with a message that names the valid choices. Flags are matched exactly,
+never by prefix, so they cannot be confused with torchrun's own (abbreviating) options.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import typing
+from dataclasses import dataclass
+from typing import Any
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+class ConfigError(ValueError):
+    """A bad flag or value. The message is one paragraph that says what to do instead."""
+
+
+def available_strategies() -> tuple[str, ...]:
+    """Names of the modules in ``ddp_course/parallel`` (adding a strategy is adding one file)."""
+    import pkgutil
+
+    from ddp_course import parallel
+
+    names = [m.name for m in pkgutil.iter_modules(parallel.__path__) if not m.name.startswith("_")]
+    order = {"single": 0, "dp": 1, "ddp": 2, "fsdp": 3}
+    return tuple(sorted(names, key=lambda n: (order.get(n, 99), n)))
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    # --- what runs where -------------------------------------------------------------------
+    strategy: str = "single"  # how the model is replicated: one of ddp_course/parallel/*.py
+    device: str = "auto"  # auto: CUDA+NCCL when every local rank has its own GPU, else CPU+gloo
+    precision: str = "fp32"  # fp32 | bf16 | fp16 (fp16 adds a GradScaler)
+    threads: int = 0  # CPU threads per process; 0 = cores divided by the processes on this node
+    timeout_s: float = 120.0  # process-group timeout: a stuck collective fails after this long
+    # --- data --------------------------------------------------------------------------------
+    corpus: str = "tinyshakespeare"  # tinyshakespeare | offline | a path to a UTF-8 text file
+    val_fraction: float = 0.1  # the tail of the corpus held out for evaluation
+    num_workers: int = 0  # DataLoader worker processes per rank
+    # --- model -------------------------------------------------------------------------------
+    block_size: int = 64  # context length in tokens
+    n_layer: int = 2  # transformer blocks
+    n_head: int = 4  # attention heads per block
+    n_embd: int = 128  # width of the residual stream
+    dropout: float = 0.0  # dropout probability (0 keeps runs comparable across strategies)
+    activation_checkpointing: bool = False  # recompute each block in backward to save memory
+    # --- optimisation ------------------------------------------------------------------------
+    max_steps: int = 200  # optimizer steps
+    micro_batch_size: int = 16  # sequences per rank per forward/backward
+    grad_accum_steps: int = 1  # micro-batches accumulated per optimizer step (per rank)
+    global_batch_size: int = 0  # if > 0: sequences per optimizer step; sets grad_accum_steps
+    no_sync: bool = True  # skip the gradient all-reduce on non-final micro-steps (DDP)
+    lr: float = 1e-3  # peak learning rate
+    min_lr: float = 1e-4  # learning rate at the end of the cosine decay
+    warmup_steps: int = 20  # linear warm-up from 0 to lr
+    weight_decay: float = 0.1  # AdamW decay, applied to matrices only
+    grad_clip: float = 1.0  # clip the global gradient norm to this (0 = off)
+    seed: int = 1337  # model init is seeded identically on every rank; data order per epoch
+    # --- evaluation, logging, checkpoints ----------------------------------------------------
+    eval_interval: int = 50  # evaluate every N steps (and at the end); 0 = only at the end
+    eval_batches: int = 8  # validation micro-batches per rank per evaluation
+    log_interval: int = 10  # write a metrics row every N steps
+    out_dir: str = "runs/default"  # where config.json, metrics.jsonl, summary.json are written
+    ckpt_interval: int = 0  # save a checkpoint every N steps (0 = never)
+    resume: bool = False  # continue from the latest checkpoint in out_dir
+    compile: bool = False  # torch.compile the model before wrapping
+    sample_tokens: int = 0  # if > 0: generate this many characters at the end (rank 0)
+    fail_at_step: int = -1  # fault injection: rank `fail_rank` raises at this step (-1 = off)
+    fail_rank: int = 0  # which rank fails when fail_at_step is set
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    # ------------------------------------------------------------------------------------------
+    def validate(self) -> None:
+        def bad(msg: str) -> ConfigError:
+            return ConfigError(msg)
+
+        strategies = available_strategies()
+        if self.strategy not in strategies:
+            raise bad(f"--strategy={self.strategy!r} is not a strategy; choose one of {', '.join(strategies)}.")
+        if self.device not in DEVICES:
+            raise bad(f"--device={self.device!r} is not a device choice; choose one of {', '.join(DEVICES)}.")
+        if self.precision not in PRECISIONS:
+            raise bad(f"--precision={self.precision!r} is not supported; choose one of {', '.join(PRECISIONS)}.")
+        for name in ("block_size", "n_layer", "n_head", "n_embd", "max_steps", "micro_batch_size",
+                     "grad_accum_steps", "eval_batches", "log_interval"):
+            if getattr(self, name) < 1:
+                raise bad(f"--{name} must be at least 1 (got {getattr(self, name)}).")
+        if self.n_embd % self.n_head:
+            raise bad(f"--n_embd={self.n_embd} must be divisible by --n_head={self.n_head} "
+                      f"(each head gets n_embd / n_head channels); try --n_embd={self.n_head * max(1, self.n_embd // self.n_head)}.")
+        if not 0.0 < self.val_fraction < 1.0:
+            raise bad(f"--val_fraction must be between 0 and 1 (got {self.val_fraction}).")
+        if self.timeout_s <= 0:
+            raise bad(f"--timeout_s must be positive (got {self.timeout_s}).")
+        if self.global_batch_size < 0:
+            raise bad(f"--global_batch_size must be 0 (unused) or positive (got {self.global_batch_size}).")
+
+    def resolve_batch(self, world_size: int) -> None:
+        """Fix ``grad_accum_steps`` from ``global_batch_size`` for this world size.
+
+        global batch = micro_batch_size x grad_accum_steps x world_size. Raises ConfigError when the
+        requested global batch cannot be split evenly.
+        """
+        if self.global_batch_size <= 0:
+            return
+        per_step = self.micro_batch_size * world_size
+        if self.global_batch_size % per_step:
+            lo = (self.global_batch_size // per_step) * per_step
+            hint = f"--global_batch_size={lo or per_step} or {lo + per_step}"
+            raise ConfigError(
+                f"--global_batch_size={self.global_batch_size} does not divide into micro-batches of "
+                f"{self.micro_batch_size} on {world_size} rank(s) (micro_batch_size x world_size = {per_step}). "
+                f"Use a multiple of {per_step} (for example {hint}), or change --micro_batch_size.")
+        self.grad_accum_steps = self.global_batch_size // per_step
+
+    def global_batch(self, world_size: int) -> int:
+        return self.micro_batch_size * self.grad_accum_steps * world_size
+
+    # ------------------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def replace(self, **changes: Any) -> "TrainConfig":
+        return from_dict({**self.to_dict(), **changes})
+
+
+def _field_types() -> dict[str, type]:
+    hints = typing.get_type_hints(TrainConfig)
+    return {f.name: hints[f.name] for f in dataclasses.fields(TrainConfig)}
+
+
+def _unknown_key(key: str) -> ConfigError:
+    names = list(_field_types())
+    close = difflib.get_close_matches(key, names, n=3)
+    hint = f" Did you mean {', '.join('--' + c for c in close)}?" if close else ""
+    return ConfigError(f"Unknown option --{key}.{hint} Run `python -m ddp_course.train --help` for every option.")
+
+
+def coerce(key: str, value: Any) -> Any:
+    """Convert ``value`` (a string from the command line, or a Python value) to the field's type."""
+    types = _field_types()
+    if key not in types:
+        raise _unknown_key(key)
+    typ = types[key]
+    if isinstance(value, str):
+        text = value.strip()
+        if typ is bool:
+            low = text.lower()
+            if low in ("1", "true", "yes", "on"):
+                return True
+            if low in ("0", "false", "no", "off"):
+                return False
+            raise ConfigError(f"--{key} expects true or false (got {value!r}).")
+        try:
+            return typ(text)
+        except ValueError:
+            raise ConfigError(f"--{key} expects {'an integer' if typ is int else 'a number' if typ is float else typ.__name__}"
+                              f" (got {value!r}).") from None
+    if typ is bool and isinstance(value, bool):
+        return value
+    if typ is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if typ is int and isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if typ is str and isinstance(value, str):
+        return value
+    if typ is str and hasattr(value, "__fspath__"):
+        return str(value)
+    raise ConfigError(f"--{key} expects {typ.__name__}, got {type(value).__name__} {value!r}.")
+
+
+def from_dict(values: dict[str, Any]) -> TrainConfig:
+    """Build a validated config from keyword values (unknown keys and wrong types refused)."""
+    return TrainConfig(**{k.replace("-", "_"): coerce(k.replace("-", "_"), v) for k, v in values.items()})
+
+
+def help_text(prog: str = "python -m ddp_course.train") -> str:
+    """``--help``: every field, its default and the comment written beside it."""
+    import inspect
+
+    src = inspect.getsource(TrainConfig).splitlines()
+    comments = {}
+    for line in src:
+        stripped = line.strip()
+        if ":" in stripped and "#" in stripped and not stripped.startswith("#"):
+            name = stripped.split(":", 1)[0].strip()
+            comments[name] = stripped.split("#", 1)[1].strip()
+    lines = [f"usage: {prog} [--key=value ...]", "",
+             "  torchrun --standalone --nproc_per_node=2 -m ddp_course.train --strategy=ddp", "", "options:"]
+    for f in dataclasses.fields(TrainConfig):
+        lines.append(f"  --{f.name}={f.default!s:<16} {comments.get(f.name, '')}")
+    return "\n".join(lines)
+
+
+def parse_cli(argv: list[str]) -> TrainConfig:
+    """Parse ``--key=value`` (or ``--key value``; a bare ``--flag`` means true for booleans)."""
+    values: dict[str, Any] = {}
+    types = _field_types()
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg in ("-h", "--help"):
+            raise SystemExit(help_text())
+        if not arg.startswith("--"):
+            raise ConfigError(f"Unexpected argument {arg!r}: options are written --key=value, e.g. --max_steps=100.")
+        key, eq, value = arg[2:].partition("=")
+        key = key.replace("-", "_")
+        if key not in types:
+            raise _unknown_key(key)
+        if not eq:
+            if types[key] is bool and (i + 1 == len(argv) or argv[i + 1].startswith("--")):
+                value = "true"
+            elif i + 1 < len(argv):
+                i += 1
+                value = argv[i]
+            else:
+                raise ConfigError(f"--{key} needs a value, e.g. --{key}={getattr(TrainConfig(), key)}.")
+        if key in values:
+            raise ConfigError(f"--{key} is given twice.")
+        values[key] = coerce(key, value)
+        i += 1
+    return TrainConfig(**values)
+
+
+def to_cli(values: dict[str, Any]) -> list[str]:
+    """The ``--key=value`` flags for a dict of overrides (the inverse of :func:`parse_cli`)."""
+    out = []
+    for k, v in values.items():
+        if isinstance(v, bool):
+            v = "true" if v else "false"
+        out.append(f"--{k}={v}")
+    return out
+
+
+__all__ = ["TrainConfig", "ConfigError", "parse_cli", "from_dict", "to_cli", "help_text",
+           "available_strategies", "PRECISIONS", "DEVICES"]

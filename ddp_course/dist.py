@@ -1,0 +1,161 @@
+"""Distributed set-up and tear-down, owned by one place.
+
+``with setup(device="auto") as info:`` reads the environment torchrun sets (RANK, LOCAL_RANK,
+WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), chooses the backend and device, joins the
+process group with a short timeout, and always destroys the group on the way out -- also when the
+body raises. Without torchrun's environment it runs as a single process with no process group.
+
+Nothing here changes global state at import time.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+
+class DeviceError(RuntimeError):
+    """The requested device cannot be used on this machine. The message says what to use instead."""
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    """Who this process is. Handed down explicitly; there is no module-level state."""
+
+    rank: int = 0  # global rank, 0 .. world_size-1
+    local_rank: int = 0  # rank on this node; picks the GPU
+    world_size: int = 1  # processes in the job
+    local_world_size: int = 1  # processes on this node
+    device: torch.device = torch.device("cpu")
+    backend: str | None = None  # "gloo" or "nccl"; None without a process group
+    device_reason: str = ""  # one line saying why this device was chosen
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def is_distributed(self) -> bool:
+        return self.backend is not None
+
+
+def cpu_count() -> int:
+    """Cores this process may use (respects CPU affinity and container limits where visible)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def choose_device(requested: str, local_world_size: int = 1) -> tuple[torch.device, str, str]:
+    """Return (device type, backend, reason) for ``--device`` given the processes on this node.
+
+    CUDA with NCCL only when every local rank has a GPU of its own: NCCL refuses two ranks on one
+    GPU, so with fewer GPUs than local ranks the course uses CPU with gloo and says so.
+    """
+    have_cuda = torch.cuda.is_available()
+    n_gpu = torch.cuda.device_count() if have_cuda else 0
+    if requested == "cpu":
+        return torch.device("cpu"), "gloo", "CPU with gloo (requested with --device=cpu)"
+    if requested == "cuda":
+        if not have_cuda:
+            raise DeviceError(
+                "--device=cuda was requested but PyTorch sees no CUDA GPU on this machine "
+                f"(torch {torch.__version__}, torch.cuda.is_available() is False). Use --device=auto "
+                "(falls back to CPU with gloo) or --device=cpu; on a GPU machine, install a CUDA build "
+                "of PyTorch (see the README).")
+        if n_gpu < local_world_size:
+            raise DeviceError(
+                f"--device=cuda with {local_world_size} processes on this node, but only {n_gpu} GPU(s): "
+                "NCCL needs one GPU per process. Launch with --nproc_per_node="
+                f"{n_gpu} or use --device=cpu (gloo) to run {local_world_size} processes on the CPU.")
+        return torch.device("cuda"), "nccl", f"CUDA with NCCL ({n_gpu} GPU(s), one per process)"
+    if requested != "auto":
+        raise DeviceError(f"--device={requested!r} is not one of auto, cpu, cuda.")
+    if have_cuda and n_gpu >= local_world_size:
+        return torch.device("cuda"), "nccl", f"CUDA with NCCL ({n_gpu} GPU(s), one per process)"
+    if have_cuda:
+        return (torch.device("cpu"), "gloo",
+                f"CPU with gloo: {local_world_size} processes but {n_gpu} GPU(s), and NCCL needs one GPU each")
+    return torch.device("cpu"), "gloo", "CPU with gloo: no CUDA GPU visible"
+
+
+def launched_by_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+@contextmanager
+def setup(device: str = "auto", timeout_s: float = 120.0, threads: int = 0) -> Iterator[DistInfo]:
+    """Join the process group torchrun prepared (or run as one process) and always leave it.
+
+    Issues no collective except the rendezvous inside ``init_process_group``.
+    """
+    env = os.environ
+    distributed = launched_by_torchrun()
+    rank = int(env.get("RANK", 0))
+    local_rank = int(env.get("LOCAL_RANK", 0))
+    world_size = int(env.get("WORLD_SIZE", 1))
+    local_world_size = int(env.get("LOCAL_WORLD_SIZE", 1))
+
+    dev_type, backend, reason = choose_device(device, local_world_size)
+    if dev_type.type == "cuda":
+        # Pin by LOCAL_RANK: global RANK would point past the last GPU on the second node.
+        torch.cuda.set_device(local_rank)
+        torch_device = torch.device("cuda", local_rank)
+    else:
+        torch_device = torch.device("cpu")
+        n = threads or max(1, cpu_count() // local_world_size)
+        torch.set_num_threads(n)
+        reason += f", {n} thread(s) per process"
+
+    if not distributed:
+        reason = reason.replace(" with gloo", "").replace(" with NCCL", "") + " (one process, no process group)"
+    else:
+        dist.init_process_group(backend=backend, rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=timeout_s))
+    info = DistInfo(rank=rank, local_rank=local_rank, world_size=world_size,
+                    local_world_size=local_world_size, device=torch_device,
+                    backend=backend if distributed else None, device_reason=reason)
+    try:
+        yield info
+    finally:
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def current_rank() -> int:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return int(os.environ.get("RANK", 0))
+
+
+def log(msg: str, *, all_ranks: bool = False) -> None:
+    """Print from rank 0 only; with ``all_ranks=True`` every rank prints, prefixed ``[rank N]``."""
+    rank = current_rank()
+    if all_ranks:
+        print(f"[rank {rank}] {msg}", flush=True)
+    elif rank == 0:
+        print(msg, flush=True)
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python and torch (CPU and every CUDA device) with the same value."""
+    random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def all_reduce_mean(value: torch.Tensor | float, info: DistInfo) -> float:
+    """Average a scalar over ranks with one all_reduce (SUM then divide). Every rank must call it."""
+    t = torch.as_tensor(value, dtype=torch.float64 if info.device.type == "cpu" else torch.float32,
+                        device=info.device).detach().clone()
+    if info.is_distributed:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        t /= info.world_size
+    return float(t.item())

@@ -1,0 +1,124 @@
+"""Metrics are data: rank 0 appends one JSON object per logged step to ``metrics.jsonl``.
+
+Plots, tests and the launcher's progress bar read these files; nothing scrapes logs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import resource
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# Dense peak throughput in FLOP/s for MFU, (16-bit tensor cores, fp32 without TF32), from the
+# vendors' data sheets. A GPU not listed gets no MFU rather than a made-up one.
+PEAK_FLOPS = {
+    "H200": (989e12, 67e12),
+    "H100 PCIe": (756e12, 51e12),
+    "H100": (989e12, 67e12),  # SXM
+    "A100": (312e12, 19.5e12),
+    "L40S": (362e12, 91.6e12),
+    "L4": (121e12, 30.3e12),
+    "A10G": (70e12, 31.2e12),
+    "A10": (125e12, 31.2e12),
+    "T4": (65e12, 8.1e12),
+    "V100": (125e12, 15.7e12),
+    "RTX 4090": (165e12, 82.6e12),
+    "RTX 3090": (71e12, 35.6e12),
+}
+
+
+def peak_flops(device: torch.device, precision: str) -> float | None:
+    """The data-sheet peak for this GPU and precision, or None (CPU, or a GPU not in the table)."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, (half, fp32) in PEAK_FLOPS.items():  # longer names first where it matters (H100 PCIe)
+        if key in name:
+            return half if precision in ("bf16", "fp16") else fp32
+    return None
+
+
+def mfu(flops_per_token: float, tokens_per_s: float, world_size: int, device: torch.device,
+        precision: str) -> float | None:
+    """Model-FLOPs utilisation: achieved model FLOP/s over the peak of all ranks' GPUs."""
+    peak = peak_flops(device, precision)
+    if peak is None or tokens_per_s <= 0:
+        return None
+    return flops_per_token * tokens_per_s / (peak * world_size)
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_memory(device: torch.device) -> dict[str, Any]:
+    """Peak memory of this process: the CUDA caching allocator's peak, or the CPU's peak RSS."""
+    if device.type == "cuda":
+        return {"peak_memory_bytes": int(torch.cuda.max_memory_allocated(device)), "memory_kind": "cuda_allocated"}
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    factor = 1 if sys.platform == "darwin" else 1024  # Linux reports KiB, macOS bytes
+    return {"peak_memory_bytes": int(rss * factor), "memory_kind": "cpu_peak_rss"}
+
+
+def environment() -> dict[str, Any]:
+    return {
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cuda": torch.version.cuda,
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+    }
+
+
+class MetricsWriter:
+    """Writes ``metrics.jsonl`` (one flushed line per row) on rank 0; a no-op elsewhere."""
+
+    def __init__(self, out_dir: str | os.PathLike, enabled: bool, append: bool = False):
+        self.enabled = enabled
+        self.path = Path(out_dir) / "metrics.jsonl"
+        self._fh = None
+        if enabled:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._fh = open(self.path, "a" if append else "w", buffering=1, encoding="utf-8")
+
+    def write(self, row: dict[str, Any]) -> None:
+        if self._fh is not None:
+            row = {"time": round(time.time(), 3), **row}
+            self._fh.write(json.dumps(row) + "\n")
+
+    def close(self) -> None:
+        if self._fh is not None:
+            self._fh.close()
+            self._fh = None
+
+
+def write_json(path: str | os.PathLike, obj: Any) -> None:
+    """Write JSON atomically (temporary name, then rename)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2, default=str) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
+    path = Path(path)
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        line = line.strip()
+        if line:
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:  # a line being written right now
+                break
+    return rows
