@@ -1,0 +1,91 @@
+"""Self-checks for the exercises: ``python -m ddp_course check NN PATH`` and the notebook checks.
+
+A grader runs the learner's code for real (scripts with torchrun) and compares it against the
+course's own reference; it says what is wrong, not only that something is.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class Verdict:
+    ok: bool
+    message: str
+
+    def __str__(self) -> str:
+        return f"{'PASS' if self.ok else 'FAIL'}: {self.message}"
+
+    def _repr_markdown_(self) -> str:  # shown as a line of text in a notebook
+        return f"**{'PASS' if self.ok else 'FAIL'}**: {self.message}"
+
+
+def _results(output: str) -> list[dict]:
+    return [json.loads(line[len("RESULT "):]) for line in output.splitlines() if line.startswith("RESULT ")]
+
+
+def grade_01(path: str | Path, timeout: float = 180) -> Verdict:
+    """Exercise 01: global_mean must give every rank the mean over all windows (2 and 3 ranks)."""
+    from ddp_course.launch import run
+
+    for nproc in (2, 3):
+        r = run(str(path), nproc=nproc, echo="none", progress=False, timeout=timeout, check=False)
+        if "NotImplementedError" in r.output:
+            return Verdict(False, "global_mean still raises NotImplementedError: complete the TODO.")
+        results = _results(r.output)
+        if len(results) != nproc:
+            tail = "\n".join(r.output.splitlines()[-15:])
+            return Verdict(False, f"with {nproc} processes the script did not finish on every rank "
+                                  f"(exit code {r.returncode}). Last lines:\n{tail}")
+        bad = [x for x in results if not x["ok"]]
+        if bad:
+            x = bad[0]
+            return Verdict(False, f"with {nproc} processes rank {x['rank']} got {x['result']:.6f} but the mean over "
+                                  f"all windows is {x['reference']:.6f}. Are you averaging per-rank means? The ranks "
+                                  "hold different numbers of windows: all-reduce the sums and the counts.")
+    return Verdict(True, "every rank gets the mean over all windows, with 2 and with 3 processes.")
+
+
+def attention(fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]) -> Verdict:
+    """Notebook 01: a hand-written causal attention must equal F.scaled_dot_product_attention."""
+    g = torch.Generator().manual_seed(0)
+    for shape in ((2, 4, 8, 16), (1, 2, 5, 8)):
+        q, k, v = (torch.randn(*shape, generator=g) for _ in range(3))
+        want = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        got = fn(q, k, v)
+        if not isinstance(got, torch.Tensor) or got.shape != want.shape:
+            return Verdict(False, f"for inputs of shape {tuple(shape)} expected an output of shape "
+                                  f"{tuple(want.shape)}, got {getattr(got, 'shape', type(got).__name__)}.")
+        # SDPA and the explicit formula round differently in float32: ~1e-6 apart; 1e-5 is well above that
+        if not torch.allclose(got, want, atol=1e-5, rtol=1e-5):
+            k_future = fn(q, k.clone().index_fill_(2, torch.tensor([shape[2] - 1]), 0.0), v)
+            leak = not torch.allclose(k_future[:, :, :-1], got[:, :, :-1], atol=1e-6)
+            hint = (" Position t attends to later positions: mask the scores above the diagonal with -inf."
+                    if leak else " Check the 1/sqrt(head size) scaling and the softmax dimension (the last).")
+            err = (got - want).abs().max().item()
+            return Verdict(False, f"output differs from scaled_dot_product_attention by up to {err:.3g}.{hint}")
+    return Verdict(True, "your attention equals F.scaled_dot_product_attention (causal) on two shapes.")
+
+
+GRADERS: dict[str, Callable[..., Verdict]] = {"01": grade_01}
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 2 or argv[0] not in GRADERS:
+        print(f"usage: python -m ddp_course check NN PATH   (NN one of {', '.join(GRADERS)})")
+        return 2
+    path = Path(argv[1])
+    if not path.is_file():
+        print(f"error: {path} is not a file. Give the path of your exercise script, e.g. "
+              f"lessons/exercises/01_global_val_loss.py")
+        return 2
+    verdict = GRADERS[argv[0]](path)
+    print(verdict)
+    return 0 if verdict.ok else 1

@@ -1,0 +1,349 @@
+"""Run a torchrun job from a notebook cell (or the command line) and get its results back.
+
+    from ddp_course.launch import run
+    r = run("ddp_course.train", nproc=2, strategy="ddp", max_steps=200)
+    r.summary["tokens_per_s"], r.train_rows[-1]["loss"]
+
+The job is a subprocess -- ``torchrun --standalone --nproc_per_node=N -m MODULE --key=value ...`` --
+in a process group of its own: the notebook's kernel never joins a process group itself, so a cell
+can always be re-run. Rank 0's lines stream into the cell and a progress bar follows the metrics
+file. If a rank fails, :class:`LaunchError` carries that rank's traceback (from torchrun's error
+file); on KeyboardInterrupt or timeout the whole job -- torchrun and every worker -- is stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ddp_course.config import from_dict, to_cli
+from ddp_course.dist import choose_device, cpu_count
+from ddp_course.metrics import read_jsonl
+
+TRAIN_MODULE = "ddp_course.train"
+_JOB_VAR = "DDP_COURSE_JOB"  # every process of a job carries this id, so none can be left behind
+
+
+class LaunchError(RuntimeError):
+    """A launched job failed. ``str(err)`` explains; ``.run`` holds the output and exit code."""
+
+    def __init__(self, message: str, run: "Run"):
+        super().__init__(message)
+        self.run = run
+
+
+class LaunchTimeout(LaunchError):
+    """The job ran past its timeout and was stopped."""
+
+
+@dataclass
+class Run:
+    """A finished job: where it wrote, how it ended, and what it measured."""
+
+    module: str
+    nproc: int
+    command: list[str]
+    out_dir: Path | None
+    returncode: int
+    output: str
+    elapsed_s: float
+    overrides: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def metrics(self) -> list[dict]:
+        return read_jsonl(self.out_dir / "metrics.jsonl") if self.out_dir else []
+
+    @property
+    def train_rows(self) -> list[dict]:
+        return [r for r in self.metrics if "loss" in r]
+
+    @property
+    def eval_rows(self) -> list[dict]:
+        return [r for r in self.metrics if "val_loss" in r]
+
+    def _json(self, name: str) -> dict | None:
+        if self.out_dir is None or not (self.out_dir / name).exists():
+            return None
+        return json.loads((self.out_dir / name).read_text(encoding="utf-8"))
+
+    @property
+    def summary(self) -> dict | None:
+        return self._json("summary.json")
+
+    @property
+    def config(self) -> dict | None:
+        return self._json("config.json")
+
+    def series(self, key: str) -> tuple[list[int], list[float]]:
+        """(steps, values) of one metric, e.g. ``run.series("loss")``."""
+        rows = [r for r in self.metrics if key in r]
+        return [r["step"] for r in rows], [r[key] for r in rows]
+
+    def __repr__(self) -> str:
+        s = self.summary or {}
+        extra = f", final_loss={s['final_loss']:.4f}" if "final_loss" in s else ""
+        return f"Run({self.module}, nproc={self.nproc}, returncode={self.returncode}, out_dir={self.out_dir}{extra})"
+
+
+def is_script(module: str) -> bool:
+    """A path to a .py file (run as a script) rather than a module name (run with -m)."""
+    return module.endswith(".py") or os.sep in module
+
+
+def torchrun_command(module: str, nproc: int, args: list[str], log_dir: Path | None = None,
+                     extra: list[str] | None = None) -> list[str]:
+    """The torchrun command line for a single-node job (``--standalone`` picks a free port)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    if log_dir is not None:
+        cmd.append(f"--log-dir={log_dir}")
+    target = [str(Path(module).resolve())] if is_script(module) else ["-m", module]
+    return [*cmd, *(extra or []), *target, *args]
+
+
+def _job_processes(job_id: str) -> list[int]:
+    """PIDs of live processes whose environment carries this job's id (Linux /proc; psutil elsewhere)."""
+    pids = []
+    proc = Path("/proc")
+    if proc.is_dir():
+        needle = f"{_JOB_VAR}={job_id}".encode()
+        for entry in proc.iterdir():
+            if entry.name.isdigit():
+                try:
+                    if needle in (entry / "environ").read_bytes().split(b"\0"):
+                        pids.append(int(entry.name))
+                except OSError:
+                    pass
+        return pids
+    try:
+        import psutil
+    except ImportError:
+        return pids
+    for p in psutil.process_iter(["pid"]):
+        try:
+            if p.environ().get(_JOB_VAR) == job_id:
+                pids.append(p.pid)
+        except (psutil.Error, OSError):
+            pass
+    return pids
+
+
+def stop_job(proc: subprocess.Popen, job_id: str, grace_s: float = 8.0) -> None:
+    """Stop torchrun (SIGTERM: it stops its workers), then anything of the job still alive.
+
+    torchrun starts each worker in a session of its own, so killing torchrun's process group alone
+    could orphan them; every process of the job carries the job id, which finds them all.
+    """
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            pass
+    for sig, wait_s in ((signal.SIGTERM, grace_s / 2), (signal.SIGKILL, 3.0)):
+        left = _job_processes(job_id)
+        if not left:
+            break
+        for pid in left:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline and _job_processes(job_id):
+            time.sleep(0.1)
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait()
+
+
+def _error_files(log_dir: Path | None) -> list[dict]:
+    """The error.json files torchrun's workers wrote (via @record), oldest failure first."""
+    if log_dir is None or not log_dir.exists():
+        return []
+    found = []
+    for path in log_dir.glob("**/error.json"):
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError):
+            continue
+        msg = data.get("message", {})
+        if isinstance(msg, str):
+            msg = {"message": msg, "extraInfo": {}}
+        extra = msg.get("extraInfo", {}) or {}
+        found.append({"rank_dir": path.parent.name, "message": msg.get("message", ""),
+                      "traceback": extra.get("py_callstack", ""), "timestamp": int(extra.get("timestamp", 0) or 0)})
+    # A rank that lost its peer ("connection closed", a timeout) is a consequence, not the cause:
+    # put the failures that are not about a lost peer first, then the earliest.
+    secondary = ("Connection closed by peer", "Connection reset", "Broken pipe", "timed out", "Timeout",
+                 "NCCL communicator was aborted", "failed to recv", "failed to send")
+    return sorted(found, key=lambda e: (any(s in e["message"] for s in secondary), e["timestamp"]))
+
+
+def _explain_failure(run: Run, log_dir: Path | None) -> str:
+    head = f"The job `{run.module}` with {run.nproc} process(es) failed (exit code {run.returncode})."
+    lines = run.output.splitlines()
+    # A course program refusing bad input prints one "error: ..." paragraph: that is the message.
+    mine = [ln[len("error: "):] for ln in lines if ln.startswith("error: ")]
+    if mine:
+        return f"{head}\n{mine[0]}"
+    errors = _error_files(log_dir)
+    tail = "\n".join(lines[-25:])
+    if errors:
+        first = errors[0]
+        who = f"rank {first['rank_dir']}" if first["rank_dir"].isdigit() else "a worker"
+        return (f"{head} The first failure was on {who}: {first['message']}\n\n"
+                f"Traceback from that rank:\n{first['traceback'].rstrip()}\n\n"
+                f"Last lines of the job's output:\n{tail}")
+    return f"{head}\n\nLast lines of the job's output:\n{tail}"
+
+
+def _validate_train(overrides: dict[str, Any], nproc: int) -> None:
+    """Check a training config in the kernel, before any process starts (instant, clear errors)."""
+    cfg = from_dict(overrides)
+    cfg.resolve_batch(nproc)
+    choose_device(cfg.device, nproc)
+    if cfg.strategy == "single" and nproc > 1:
+        from ddp_course.config import ConfigError
+
+        raise ConfigError(f"strategy='single' trains one model in one process, but nproc={nproc}. "
+                          "Use strategy='ddp' for several processes, or nproc=1.")
+
+
+def run(module: str = TRAIN_MODULE, nproc: int = 2, *, out_dir: str | os.PathLike | None = None,
+        timeout: float | None = None, progress: bool = True, echo: str = "rank0", use_torchrun: bool | None = None,
+        env: dict[str, str] | None = None, torchrun_args: list[str] | None = None, check: bool = True,
+        **overrides: Any) -> Run:
+    """Launch ``module`` on ``nproc`` processes with ``--key=value`` flags from ``overrides``.
+
+    - ``out_dir``: the run folder (``ddp_course.train`` writes its metrics there); default
+      ``runs/<module>-<time>``.
+    - ``timeout``: seconds before the job is stopped and :class:`LaunchTimeout` raised.
+    - ``echo``: "rank0" (lines from rank 0 and unprefixed output), "all", or "none".
+    - ``use_torchrun``: default True when nproc > 1 or the strategy needs a process group;
+      a one-process run of ``strategy=single`` starts plain ``python -m`` (faster).
+    - ``check``: raise :class:`LaunchError` when the job fails (else return the failed Run).
+    """
+    if nproc < 1:
+        raise ValueError(f"nproc must be at least 1 (got {nproc}).")
+    if echo not in ("rank0", "all", "none"):
+        raise ValueError(f"echo must be 'rank0', 'all' or 'none' (got {echo!r}).")
+    is_train = module == TRAIN_MODULE
+    if out_dir is None and is_train:
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        out_dir = Path("runs") / f"{overrides.get('strategy', 'single')}-{nproc}p-{stamp}-{uuid.uuid4().hex[:4]}"
+    out_path = Path(out_dir).resolve() if out_dir is not None else None
+    if is_train:
+        overrides = {**overrides, "out_dir": str(out_path)}
+        _validate_train(overrides, nproc)
+    elif out_path is not None:
+        overrides = {**overrides, "out_dir": str(out_path)}
+    if use_torchrun is None:
+        use_torchrun = nproc > 1 or overrides.get("strategy", "single") != "single"
+
+    args = to_cli(overrides)
+    job_id = uuid.uuid4().hex
+    log_dir = None
+    if use_torchrun:
+        base = out_path if out_path is not None else Path.cwd() / "runs"
+        log_dir = base / "torchrun_logs" / job_id[:8]
+        cmd = torchrun_command(module, nproc, args, log_dir, torchrun_args)
+    else:
+        if nproc != 1:
+            raise ValueError("use_torchrun=False runs exactly one process: pass nproc=1.")
+        target = [str(Path(module).resolve())] if is_script(module) else ["-m", module]
+        cmd = [sys.executable, *target, *args]
+    threads = str(max(1, cpu_count() // nproc))
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": threads, _JOB_VAR: job_id, **(env or {})}
+    if out_path is not None:
+        out_path.mkdir(parents=True, exist_ok=True)
+        for stale in ("metrics.jsonl", "summary.json"):  # a re-run must not show the last run's numbers
+            if not overrides.get("resume"):
+                (out_path / stale).unlink(missing_ok=True)
+
+    total = int(overrides.get("max_steps", 0)) if is_train else 0
+    bar = None
+    if progress and out_path is not None and total > 0:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=total, desc=f"{overrides.get('strategy', module)} x{nproc}", unit="step", leave=True)
+
+    lines: queue.Queue[str | None] = queue.Queue()
+    output: list[str] = []
+    start = time.monotonic()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                            env=full_env, text=True, bufsize=1, start_new_session=True)
+
+    def pump() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.put(line.rstrip("\n"))
+        lines.put(None)
+
+    reader = threading.Thread(target=pump, daemon=True)
+    reader.start()
+
+    def show(line: str) -> None:
+        if echo == "none":
+            return
+        if echo == "rank0" and line.startswith("[rank ") and not line.startswith("[rank 0]"):
+            return
+        if bar is not None:
+            bar.write(line)
+        else:
+            print(line, flush=True)
+
+    metrics_path = out_path / "metrics.jsonl" if out_path is not None else None
+    seen_step = 0
+    try:
+        finished = False
+        while not finished:
+            try:
+                item = lines.get(timeout=0.2)
+                while item is not None:
+                    output.append(item)
+                    show(item)
+                    item = lines.get_nowait()
+                finished = item is None
+            except queue.Empty:
+                pass
+            if bar is not None and metrics_path is not None:
+                rows = [r for r in read_jsonl(metrics_path) if "loss" in r]
+                if rows and rows[-1]["step"] > seen_step:
+                    bar.update(rows[-1]["step"] - seen_step)
+                    seen_step = rows[-1]["step"]
+                    bar.set_postfix(loss=f"{rows[-1]['loss']:.3f}", refresh=False)
+            if timeout is not None and time.monotonic() - start > timeout:
+                stop_job(proc, job_id)
+                r = Run(module, nproc, cmd, out_path, proc.returncode, "\n".join(output),
+                        time.monotonic() - start, overrides)
+                raise LaunchTimeout(f"The job `{module}` with {nproc} process(es) ran past its timeout of "
+                                    f"{timeout:.0f}s and was stopped (all of its processes). A collective waiting "
+                                    "on a rank that never arrives looks like this; the last lines of output:\n"
+                                    + "\n".join(output[-20:]), r)
+        proc.wait()
+    except KeyboardInterrupt:
+        stop_job(proc, job_id)
+        print(f"Interrupted: stopped the job `{module}` and all {nproc} of its processes.", file=sys.stderr)
+        raise
+    finally:
+        if proc.poll() is None:
+            stop_job(proc, job_id)
+        if bar is not None:
+            bar.close()
+    run_ = Run(module, nproc, cmd, out_path, proc.returncode, "\n".join(output), time.monotonic() - start, overrides)
+    if check and proc.returncode != 0:
+        raise LaunchError(_explain_failure(run_, log_dir), run_)
+    return run_

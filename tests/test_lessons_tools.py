@@ -1,0 +1,199 @@
+"""The lesson generator (tools/make_lessons.py) and the check that lessons/ matches solutions/."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+from nbformat import v4
+
+ROOT = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("make_lessons", ROOT / "tools" / "make_lessons.py")
+ml = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(ml)
+RAISE = 'raise NotImplementedError("exercise: complete this part")'
+
+
+def test_region_replaced_with_hint_at_begin_indentation():
+    src = ("def step(grad, world_size):\n"
+           "    x = 1\n"
+           "    # BEGIN SOLUTION hint: use dist.all_reduce\n"
+           "    dist.all_reduce(grad)\n"
+           "        # deeper lines inside the region go too\n"
+           "    grad /= world_size\n"
+           "    # END SOLUTION\n"
+           "    return grad\n")
+    assert ml.transform_source(src, "ex.py") == (
+        "def step(grad, world_size):\n"
+        "    x = 1\n"
+        "    # TODO: use dist.all_reduce\n"
+        f"    {RAISE}\n"
+        "    return grad\n")
+
+
+def test_region_without_hint_and_several_regions():
+    src = "# BEGIN SOLUTION\na = 1\n# END SOLUTION\nb = 2\n\tif b:\n\t\t# BEGIN SOLUTION\n\t\tc = 3\n\t\t# END SOLUTION\n"
+    out = ml.transform_source(src, "ex.py")
+    assert out == (f"# TODO: your code here\n{RAISE}\nb = 2\n\tif b:\n"
+                   f"\t\t# TODO: your code here\n\t\t{RAISE}\n")
+
+
+def test_source_without_markers_is_unchanged():
+    src = "import torch\n\nx = torch.ones(2)  # no answer here\n"
+    assert ml.transform_source(src) == src
+
+
+@pytest.mark.parametrize("src, line, words", [
+    ("# BEGIN SOLUTION\na = 1\n# BEGIN SOLUTION\nb = 2\n# END SOLUTION\n# END SOLUTION\n", 3, "cannot nest"),
+    ("a = 1\n# END SOLUTION\n", 2, "without a '# BEGIN SOLUTION'"),
+    ("a = 1\n  # BEGIN SOLUTION hint: x\nb = 2\n", 2, "never closed"),
+    ("# BEGIN SOLUTION\na = 1\n# END SOLUTION here\n", 3, "malformed"),
+    ("a = 1\n# SOLUTION CELL\n", 2, "first line of a notebook code cell"),
+])
+def test_unbalanced_or_misplaced_markers_name_file_and_line(src, line, words):
+    with pytest.raises(ml.MarkerError) as err:
+        ml.transform_source(src, "solutions/exercises/ex1.py")
+    assert f"solutions/exercises/ex1.py:{line}:" in str(err.value)
+    assert words in str(err.value)
+
+
+def _solution_notebook() -> nbformat.NotebookNode:
+    nb = v4.new_notebook()
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nb.metadata["widgets"] = {"state": {}}
+    md = v4.new_markdown_cell("## All-reduce\n\n```python\n# BEGIN SOLUTION\n```")
+    region = v4.new_code_cell("x = 1\nfor i in range(2):\n    # BEGIN SOLUTION hint: add i\n    x += i\n    # END SOLUTION\nx",
+                              execution_count=3, outputs=[v4.new_output("execute_result", {"text/plain": "2"},
+                                                                        execution_count=3)],
+                              metadata={"tags": ["keep"], "execution": {"iopub.status.busy": "2024"}})
+    whole = v4.new_code_cell("# SOLUTION CELL hint: build the optimizer\nopt = make()\nopt.step()", execution_count=4)
+    only = v4.new_code_cell("assert x == 2", metadata={"tags": ["solution-only"]}, execution_count=5,
+                            outputs=[v4.new_output("stream", text="ok\n")])
+    plain = v4.new_code_cell("print('hello')", execution_count=6, outputs=[v4.new_output("stream", text="hello\n")])
+    nb.cells = [md, region, whole, only, plain]
+    return nb
+
+
+def test_notebook_transform():
+    sol = _solution_notebook()
+    before = nbformat.writes(sol)
+    nb = ml.transform_notebook(sol, "solutions/01.ipynb")
+    assert nbformat.writes(sol) == before  # the solution object is not modified
+
+    assert [c.cell_type for c in nb.cells] == ["markdown", "code", "code", "code"]  # solution-only dropped
+    assert all("solution-only" not in c.metadata.get("tags", []) for c in nb.cells)
+    md, region, whole, plain = nb.cells
+    assert md == sol.cells[0]  # markdown copied unchanged, marker text and all
+    assert region.source == f"x = 1\nfor i in range(2):\n    # TODO: add i\n    {RAISE}\nx"
+    assert whole.source == f"# TODO: build the optimizer\n{RAISE}"
+    assert plain.source == "print('hello')"
+    for cell in (region, whole, plain):
+        assert cell.outputs == [] and cell.execution_count is None
+    assert region.metadata == {"tags": ["keep"]}  # author metadata kept, run timestamps dropped
+    assert region.id == sol.cells[1].id
+    assert nb.metadata["kernelspec"]["name"] == "python3"
+    assert "widgets" not in nb.metadata
+    nbformat.validate(nb)
+
+
+def test_whole_cell_marker_without_hint():
+    nb = v4.new_notebook()
+    nb.cells = [v4.new_code_cell("# SOLUTION CELL\nanswer = 42")]
+    assert ml.transform_notebook(nb).cells[0].source == f"# TODO: your code here\n{RAISE}"
+
+
+def test_notebook_marker_error_names_cell():
+    nb = v4.new_notebook()
+    nb.cells = [v4.new_markdown_cell("intro"), v4.new_code_cell("a = 1\n# BEGIN SOLUTION\nb = 2")]
+    with pytest.raises(ml.MarkerError, match=r"solutions/02\.ipynb cell 1:2: .*never closed"):
+        ml.transform_notebook(nb, "solutions/02.ipynb")
+
+
+def _repo(tmp_path: Path) -> Path:
+    (tmp_path / "solutions" / "exercises").mkdir(parents=True)
+    (tmp_path / "lessons" / "exercises").mkdir(parents=True)
+    nbformat.write(_solution_notebook(), tmp_path / "solutions" / "01_allreduce.ipynb")
+    (tmp_path / "solutions" / "exercises" / "ex1.py").write_text(
+        "def f():\n    # BEGIN SOLUTION\n    return 1\n    # END SOLUTION\n", encoding="utf-8")
+    return tmp_path
+
+
+def run_tool(root: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / "tools" / "make_lessons.py"), f"--root={root}", *args],
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_generate_then_check_is_byte_stable(tmp_path):
+    root = _repo(tmp_path)
+    assert ml.check(root)[0] == [f"missing: {p} (run `{ml.FIX}`)" for p in
+                                 ("lessons/01_allreduce.ipynb", "lessons/exercises/ex1.py")]
+    written, _, _ = ml.generate(root)
+    assert len(written) == 2
+    lesson = root / "lessons" / "01_allreduce.ipynb"
+    first = lesson.read_bytes()
+    assert first.endswith(b"}\n")
+    assert ml.check(root) == ([], 2)
+    assert ml.generate(root)[0] == []  # nothing to rewrite
+    assert lesson.read_bytes() == first
+    assert (root / "lessons" / "exercises" / "ex1.py").read_text() == f"def f():\n    # TODO: your code here\n    {RAISE}\n"
+    nb = nbformat.read(lesson, as_version=4)
+    assert len(nb.cells) == 4 and all(c.get("outputs", []) == [] for c in nb.cells)
+
+
+def test_cells_without_ids_get_stable_ids(tmp_path):
+    root = _repo(tmp_path)
+    path = root / "solutions" / "01_allreduce.ipynb"
+    data = json.loads(path.read_text())
+    for cell in data["cells"]:
+        del cell["id"]
+    path.write_text(json.dumps(data))
+    a = ml.targets(root)
+    b = ml.targets(root)
+    assert a == b
+
+
+def test_check_cli_reports_stale_missing_orphaned(tmp_path):
+    root = _repo(tmp_path)
+    assert run_tool(root).returncode == 0
+    ok = run_tool(root, "--check")
+    assert ok.returncode == 0 and ok.stdout.startswith("OK") and "(2 file(s))" in ok.stdout
+
+    (root / "lessons" / "exercises" / "ex1.py").write_text("edited by hand\n")
+    (root / "lessons" / "01_allreduce.ipynb").unlink()
+    (root / "lessons" / "exercises" / "old.py").write_text("x = 1\n")
+    bad = run_tool(root, "--check")
+    assert bad.returncode == 1
+    assert "stale: lessons/exercises/ex1.py" in bad.stdout
+    assert "missing: lessons/01_allreduce.ipynb" in bad.stdout
+    assert "orphaned: lessons/exercises/old.py has no solutions/exercises/old.py" in bad.stdout
+    assert "python tools/make_lessons.py" in bad.stdout
+
+    assert run_tool(root, "--prune").returncode == 0
+    assert not (root / "lessons" / "exercises" / "old.py").exists()
+    assert run_tool(root, "--check").returncode == 0
+
+
+def test_cli_marker_error_exit_code(tmp_path):
+    root = _repo(tmp_path)
+    (root / "solutions" / "exercises" / "ex2.py").write_text("# END SOLUTION\n")
+    proc = run_tool(root)
+    assert proc.returncode == 2
+    assert "solutions/exercises/ex2.py:1:" in proc.stderr
+
+
+def test_check_with_no_solutions(tmp_path):
+    proc = run_tool(tmp_path, "--check")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "(0 file(s))" in proc.stdout
+
+
+def test_lessons_in_sync_with_solutions():
+    """lessons/ is generated from solutions/: after editing a solution, run `python tools/make_lessons.py`."""
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "make_lessons.py"), "--check"],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr

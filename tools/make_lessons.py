@@ -1,0 +1,276 @@
+"""Generate the learner copies in ``lessons/`` from the answer keys in ``solutions/``.
+
+The solutions are the single source. Each answer is marked once, in the solution::
+
+    # BEGIN SOLUTION hint: average the gradients with dist.all_reduce
+    dist.all_reduce(grad)
+    grad /= world_size
+    # END SOLUTION
+
+and the learner copy gets, at the indentation of the BEGIN line::
+
+    # TODO: average the gradients with dist.all_reduce
+    raise NotImplementedError("exercise: complete this part")
+
+A notebook code cell whose first line is ``# SOLUTION CELL [hint]`` becomes a cell with only those
+two lines. A notebook cell tagged ``solution-only`` is left out of the learner copy. Code cells lose
+their outputs and execution counts; markdown cells are copied unchanged.
+
+    python tools/make_lessons.py            # write lessons/*.ipynb and lessons/exercises/*.py
+    python tools/make_lessons.py --check    # exit 1 if any learner file is stale, missing or orphaned
+    python tools/make_lessons.py --prune    # write, and delete learner files that have no solution
+
+Sources -> targets: ``solutions/*.ipynb -> lessons/*.ipynb`` and
+``solutions/exercises/*.py -> lessons/exercises/*.py``. Only the standard library and nbformat are
+used (the script does not import the course package).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import copy
+import hashlib
+import json
+import re
+import sys
+import warnings
+from pathlib import Path
+
+import nbformat
+
+ROOT = Path(__file__).resolve().parents[1]
+FIX = "python tools/make_lessons.py"
+
+BEGIN_RE = re.compile(r"^(?P<indent>[ \t]*)#\s*BEGIN SOLUTION\b(?P<rest>.*?)\s*$")
+END_RE = re.compile(r"^[ \t]*#\s*END SOLUTION\b\s*$")
+CELL_RE = re.compile(r"^[ \t]*#\s*SOLUTION CELL\b(?P<rest>.*?)\s*$")
+ANY_MARKER_RE = re.compile(r"#\s*(BEGIN SOLUTION|END SOLUTION|SOLUTION CELL)\b")
+RAISE = 'raise NotImplementedError("exercise: complete this part")'
+DEFAULT_HINT = "your code here"
+SOLUTION_ONLY_TAG = "solution-only"
+# Notebook metadata written by a run rather than by the author: not copied to the learner notebook.
+VOLATILE_NB_METADATA = ("widgets",)
+VOLATILE_CELL_METADATA = ("execution",)  # JupyterLab's per-cell run timestamps
+
+
+class MarkerError(ValueError):
+    """A solution marker is nested, unbalanced or malformed. The message names the file and line."""
+
+
+def _hint(rest: str) -> str:
+    rest = rest.strip()
+    if rest.lower().startswith("hint:"):
+        rest = rest[len("hint:"):].strip()
+    return rest or DEFAULT_HINT
+
+
+def _stub(indent: str, hint: str, newline: str) -> list[str]:
+    return [f"{indent}# TODO: {hint}{newline}", f"{indent}{RAISE}{newline}"]
+
+
+def _newline_of(line: str) -> str:
+    for nl in ("\r\n", "\n", "\r"):
+        if line.endswith(nl):
+            return nl
+    return ""
+
+
+def transform_source(text: str, filename: str = "<source>") -> str:
+    """Replace every ``# BEGIN SOLUTION`` .. ``# END SOLUTION`` region by a TODO and a raise.
+
+    ``filename`` only labels error messages. Raises :class:`MarkerError` for a BEGIN inside a region,
+    an END without a BEGIN, a BEGIN never closed, or a ``# SOLUTION CELL`` marker (notebooks only,
+    first line of a cell) found here.
+    """
+    lines = text.splitlines(keepends=True)
+    out: list[str] = []
+    open_at: int | None = None  # line number of the BEGIN of the region we are in
+    for no, line in enumerate(lines, start=1):
+        body = line.rstrip("\r\n")
+        begin, end = BEGIN_RE.match(body), END_RE.match(body)
+        if begin:
+            if open_at is not None:
+                raise MarkerError(f"{filename}:{no}: '# BEGIN SOLUTION' inside the region opened at line "
+                                  f"{open_at}; regions cannot nest (close it with '# END SOLUTION' first).")
+            open_at = no
+            nl = _newline_of(line) or "\n"
+            out.extend(_stub(begin["indent"], _hint(begin["rest"]), nl))
+            continue
+        if end:
+            if open_at is None:
+                raise MarkerError(f"{filename}:{no}: '# END SOLUTION' without a '# BEGIN SOLUTION' before it.")
+            open_at = None
+            continue
+        if CELL_RE.match(body):
+            raise MarkerError(f"{filename}:{no}: '# SOLUTION CELL' must be the first line of a notebook code "
+                              "cell; in other places mark the answer with '# BEGIN SOLUTION' / '# END SOLUTION'.")
+        if ANY_MARKER_RE.search(body) and body.lstrip().startswith("#"):
+            raise MarkerError(f"{filename}:{no}: malformed solution marker {body.strip()!r}: write "
+                              "'# BEGIN SOLUTION [hint: ...]' or '# END SOLUTION' alone on its line.")
+        if open_at is None:
+            out.append(line)
+    if open_at is not None:
+        raise MarkerError(f"{filename}:{open_at}: '# BEGIN SOLUTION' is never closed by '# END SOLUTION'.")
+    result = "".join(out)
+    if not text.endswith(("\n", "\r")):  # a region closed on the last line: keep the original's ending
+        result = result.rstrip("\r\n")
+    return result
+
+
+def transform_cell_source(source: str, label: str) -> str:
+    """A notebook code cell: ``# SOLUTION CELL`` on its first line replaces the whole cell."""
+    first, _, _ = source.partition("\n")
+    whole = CELL_RE.match(first.rstrip("\r"))
+    if whole:
+        return f"# TODO: {_hint(whole['rest'])}\n{RAISE}"
+    return transform_source(source, label)
+
+
+def transform_notebook(nb, name: str = "<notebook>"):
+    """The learner copy of a solution notebook (a new object; ``nb`` is not changed).
+
+    Drops cells tagged ``solution-only``; in code cells, replaces solution regions and clears outputs
+    and execution counts; copies markdown and raw cells unchanged.
+    """
+    nb = copy.deepcopy(nb)
+    cells = []
+    for index, cell in enumerate(nb.cells):
+        if SOLUTION_ONLY_TAG in (cell.get("metadata", {}).get("tags") or []):
+            continue
+        if cell.cell_type == "code":
+            cell.source = transform_cell_source(cell.source, f"{name} cell {index}")
+            cell.outputs = []
+            cell.execution_count = None
+            for key in VOLATILE_CELL_METADATA:
+                cell.metadata.pop(key, None)
+        cells.append(cell)
+    nb.cells = cells
+    for key in VOLATILE_NB_METADATA:
+        nb.metadata.pop(key, None)
+    return nb
+
+
+# --------------------------------------------------------------------------------------------------
+# files
+
+def load_notebook(path: Path):
+    """Read a notebook; cells without an ``id`` get one derived from the file name and position
+    (nbformat would invent random ones, and the learner copy must be byte-stable)."""
+    data = json.loads(path.read_text(encoding="utf-8"))
+    if data.get("nbformat") == 4 and data.get("nbformat_minor", 0) >= 5:
+        for index, cell in enumerate(data.get("cells", [])):
+            if not cell.get("id"):
+                cell["id"] = hashlib.sha1(f"{path.name}:{index}".encode()).hexdigest()[:8]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return nbformat.reads(json.dumps(data), as_version=4)
+
+
+def notebook_text(nb) -> str:
+    """What ``nbformat.write`` puts in the file: the JSON, then a trailing newline."""
+    text = nbformat.writes(nb)
+    return text if text.endswith("\n") else text + "\n"
+
+
+def targets(root: Path) -> dict[Path, str]:
+    """{learner file: expected content} for every solution under ``root``."""
+    expected: dict[Path, str] = {}
+    for src in sorted((root / "solutions").glob("*.ipynb")):
+        label = str(src.relative_to(root))
+        expected[root / "lessons" / src.name] = notebook_text(transform_notebook(load_notebook(src), label))
+    for src in sorted((root / "solutions" / "exercises").glob("*.py")):
+        label = str(src.relative_to(root))
+        text = transform_source(src.read_text(encoding="utf-8"), label)
+        try:
+            ast.parse(text, filename=label)
+        except SyntaxError as exc:
+            raise MarkerError(f"{label}: the learner copy is not valid Python ({exc.msg}, line {exc.lineno}); "
+                              "put the markers around whole statements.") from None
+        expected[root / "lessons" / "exercises" / src.name] = text
+    return expected
+
+
+def learner_files(root: Path) -> list[Path]:
+    found = sorted((root / "lessons").glob("*.ipynb")) + sorted((root / "lessons" / "exercises").glob("*.py"))
+    return [p for p in found if p.is_file()]
+
+
+def read_text(path: Path) -> str:
+    with open(path, encoding="utf-8", newline="") as fh:
+        return fh.read()
+
+
+def write_text(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", encoding="utf-8", newline="") as fh:
+        fh.write(text)
+
+
+def check(root: Path) -> tuple[list[str], int]:
+    """(problems, one line each and empty when every learner file matches its solution; files checked)."""
+    expected = targets(root)
+    problems = []
+    for path, text in expected.items():
+        rel = path.relative_to(root)
+        if not path.exists():
+            problems.append(f"missing: {rel} (run `{FIX}`)")
+        elif read_text(path) != text:
+            problems.append(f"stale: {rel} differs from its solution (run `{FIX}`)")
+    for path in learner_files(root):
+        if path not in expected:
+            rel = path.relative_to(root)
+            src = "solutions/" + str(rel.relative_to("lessons"))
+            problems.append(f"orphaned: {rel} has no {src} (add the solution, or run `{FIX} --prune` to delete it)")
+    return problems, len(expected)
+
+
+def generate(root: Path, prune: bool = False) -> tuple[list[Path], list[Path], list[Path]]:
+    """Write every learner file that differs. Returns (written, unchanged, orphaned-or-pruned)."""
+    expected = targets(root)
+    written, unchanged = [], []
+    for path, text in expected.items():
+        if path.exists() and read_text(path) == text:
+            unchanged.append(path)
+        else:
+            write_text(path, text)
+            written.append(path)
+    orphans = [p for p in learner_files(root) if p not in expected]
+    if prune:
+        for path in orphans:
+            path.unlink()
+    return written, unchanged, orphans
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python tools/make_lessons.py", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--check", action="store_true", help="verify only; exit 1 if lessons/ is out of date")
+    parser.add_argument("--prune", action="store_true", help="also delete learner files that have no solution")
+    parser.add_argument("--root", type=Path, default=ROOT, help="repository root (default: this checkout)")
+    args = parser.parse_args(argv)
+    root = args.root.resolve()
+    try:
+        if args.check:
+            problems, n_files = check(root)
+            if problems:
+                for line in problems:
+                    print(line)
+                print(f"lessons out of sync with solutions: {len(problems)} problem(s); fix with `{FIX}`")
+                return 1
+            print(f"OK: lessons in sync with solutions ({n_files} file(s))")
+            return 0
+        written, unchanged, orphans = generate(root, prune=args.prune)
+    except MarkerError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    for path in written:
+        print(f"wrote {path.relative_to(root)}")
+    for path in orphans:
+        rel = path.relative_to(root)
+        print(f"deleted orphan {rel}" if args.prune else f"warning: {rel} has no solution (`{FIX} --prune` deletes it)")
+    print(f"{len(written)} written, {len(unchanged)} unchanged")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
