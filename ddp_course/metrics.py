@@ -122,3 +122,48 @@ def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
             except json.JSONDecodeError:  # a line being written right now
                 break
     return rows
+
+
+def saved_activation_bytes(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> int:
+    """Bytes the autograd graph keeps from one forward for the backward (parameters excluded).
+
+    Counted exactly, on any device, with ``torch.autograd.graph.saved_tensors_hooks``: every tensor
+    saved for backward passes through the hook; storages are counted once.
+    """
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    storages: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        s = t.untyped_storage()
+        if s.data_ptr() not in params:
+            storages[s.data_ptr()] = s.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        _, loss = model(x, y)
+    loss.backward()
+    model.zero_grad(set_to_none=True)
+    return sum(storages.values())
+
+
+def time_forward_backward(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, repeats: int = 5) -> dict[str, Any]:
+    """Median seconds of one forward+backward (after one warm-up), and the CUDA peak where there is one."""
+    device = x.device
+    times = []
+    reset_peak_memory(device)
+    for i in range(repeats + 1):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        _, loss = model(x, y)
+        loss.backward()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if i > 0:
+            times.append(time.perf_counter() - t0)
+        model.zero_grad(set_to_none=True)
+    times.sort()
+    out: dict[str, Any] = {"step_s": times[len(times) // 2]}
+    if device.type == "cuda":
+        out["cuda_peak_bytes"] = int(torch.cuda.max_memory_allocated(device))
+    return out

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import io
 import json
 import subprocess
 import sys
@@ -124,8 +126,11 @@ def _repo(tmp_path: Path) -> Path:
 
 
 def run_tool(root: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(ROOT / "tools" / "make_lessons.py"), f"--root={root}", *args],
-                          capture_output=True, text=True, timeout=60)
+    """The command line, run in this process (the real-repository check below runs it as a subprocess)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = ml.main([f"--root={root}", *args])
+    return subprocess.CompletedProcess(args, rc, out.getvalue(), err.getvalue())
 
 
 def test_generate_then_check_is_byte_stable(tmp_path):

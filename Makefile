@@ -1,0 +1,59 @@
+# The course's two commands (see README.md):
+#   make lab    set up .venv if needed, then open the course in JupyterLab (prints the URL)
+#   make test   set up .venv if needed, then run the whole test suite (what CI runs)
+#
+# Set-up keeps a torch that is already importable by $(PYTHON) (the venv then sees the system's
+# site-packages); otherwise it installs $(TORCH_SPEC). See README.md for GPU and CPU-only wheels.
+
+PYTHON      ?= python3
+VENV        ?= .venv
+TORCH_SPEC  ?= torch==2.13.0
+# extra pip options for the torch install, e.g. TORCH_PIP_ARGS="--index-url https://download.pytorch.org/whl/cpu"
+TORCH_PIP_ARGS ?=
+PORT        ?= 8888
+PY          := $(VENV)/bin/python
+STAMP       := $(VENV)/.ddp_course-installed
+PYTEST_ARGS ?=
+
+.PHONY: lab test setup clean lessons check-lessons bench-overhead
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@set -e; \
+	if [ ! -x "$(PY)" ]; then \
+	  if $(PYTHON) -c "import torch" >/dev/null 2>&1; then \
+	    echo "[setup] using the torch already installed for $(PYTHON): $$($(PYTHON) -c 'import torch; print(torch.__version__)')"; \
+	    $(PYTHON) -m venv --system-site-packages $(VENV); \
+	  else \
+	    $(PYTHON) -m venv $(VENV); \
+	  fi; \
+	fi; \
+	if ! $(PY) -c "import torch" >/dev/null 2>&1; then \
+	  echo "[setup] installing $(TORCH_SPEC)"; \
+	  $(PY) -m pip install --quiet $(TORCH_PIP_ARGS) "$(TORCH_SPEC)"; \
+	fi; \
+	echo "[setup] installing ddp_course and its tools into $(VENV)"; \
+	$(PY) -m pip install --quiet -e ".[dev]"; \
+	$(PY) -m ddp_course doctor; \
+	touch $(STAMP)
+
+lab: setup
+	@echo "[lab] starting JupyterLab; open the URL below (lessons/00_setup.ipynb is the first lesson)"
+	$(PY) -m jupyter lab --ip=127.0.0.1 --port=$(PORT) --no-browser --ServerApp.root_dir=$(CURDIR)
+
+test: setup
+	$(PY) -m pytest tests solutions --nbval-lax --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg \
+	  --nbval-cell-timeout=600 -p no:cacheprovider $(PYTEST_ARGS)
+
+lessons: setup
+	$(PY) tools/make_lessons.py
+
+check-lessons: setup
+	$(PY) tools/make_lessons.py --check
+
+bench-overhead: setup
+	$(PY) -m ddp_course.bench overhead
+
+clean:
+	rm -rf runs solutions/runs lessons/runs bench_results .pytest_cache
