@@ -1,15 +1,18 @@
 """Self-checks for the exercises: ``python -m ddp_course check NN PATH`` and the notebook checks.
 
+Script graders live in ``ddp_course/graders/gNN.py`` (one module per exercise, each with
+``grade(path, **kwargs) -> Verdict``); ``results(output)`` reads the ``RESULT {json}`` lines that
+exercise scripts print.
+
 A grader runs the learner's code for real (scripts with torchrun) and compares it against the
 course's own reference; it says what is wrong, not only that something is.
 """
 
 from __future__ import annotations
 
-import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -27,30 +30,11 @@ class Verdict:
         return f"**{'PASS' if self.ok else 'FAIL'}**: {self.message}"
 
 
-def _results(output: str) -> list[dict]:
+def results(output: str) -> list[dict]:
+    """The ``RESULT {json}`` lines an exercise script printed (one per rank)."""
+    import json
+
     return [json.loads(line[len("RESULT "):]) for line in output.splitlines() if line.startswith("RESULT ")]
-
-
-def grade_01(path: str | Path, timeout: float = 180) -> Verdict:
-    """Exercise 01: global_mean must give every rank the mean over all windows (2 and 3 ranks)."""
-    from ddp_course.launch import run
-
-    for nproc in (2, 3):
-        r = run(str(path), nproc=nproc, echo="none", progress=False, timeout=timeout, check=False)
-        if "NotImplementedError" in r.output:
-            return Verdict(False, "global_mean still raises NotImplementedError: complete the TODO.")
-        results = _results(r.output)
-        if len(results) != nproc:
-            tail = "\n".join(r.output.splitlines()[-15:])
-            return Verdict(False, f"with {nproc} processes the script did not finish on every rank "
-                                  f"(exit code {r.returncode}). Last lines:\n{tail}")
-        bad = [x for x in results if not x["ok"]]
-        if bad:
-            x = bad[0]
-            return Verdict(False, f"with {nproc} processes rank {x['rank']} got {x['result']:.6f} but the mean over "
-                                  f"all windows is {x['reference']:.6f}. Are you averaging per-rank means? The ranks "
-                                  "hold different numbers of windows: all-reduce the sums and the counts.")
-    return Verdict(True, "every rank gets the mean over all windows, with 2 and with 3 processes.")
 
 
 def attention(fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]) -> Verdict:
@@ -74,18 +58,33 @@ def attention(fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Ten
     return Verdict(True, "your attention equals F.scaled_dot_product_attention (causal) on two shapes.")
 
 
-GRADERS: dict[str, Callable[..., Verdict]] = {"01": grade_01}
+def graders() -> list[str]:
+    """Exercise numbers that have a grader: the modules ``ddp_course/graders/gNN.py``."""
+    import pkgutil
+
+    from ddp_course import graders as pkg
+
+    return sorted(m.name[1:] for m in pkgutil.iter_modules(pkg.__path__) if m.name.startswith("g"))
+
+
+def grade(number: str, path: str | Path, **kwargs) -> Verdict:
+    """Run exercise ``number``'s grader (``ddp_course.graders.g<number>.grade``) on a script."""
+    import importlib
+
+    if number not in graders():
+        raise ValueError(f"no grader for exercise {number!r}; there are graders for {', '.join(graders())}")
+    return importlib.import_module(f"ddp_course.graders.g{number}").grade(path, **kwargs)
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) != 2 or argv[0] not in GRADERS:
-        print(f"usage: python -m ddp_course check NN PATH   (NN one of {', '.join(GRADERS)})")
+    if len(argv) != 2 or argv[0] not in graders():
+        print(f"usage: python -m ddp_course check NN PATH   (NN one of {', '.join(graders())})")
         return 2
     path = Path(argv[1])
     if not path.is_file():
         print(f"error: {path} is not a file. Give the path of your exercise script, e.g. "
               f"lessons/exercises/01_global_val_loss.py")
         return 2
-    verdict = GRADERS[argv[0]](path)
+    verdict = grade(argv[0], path)
     print(verdict)
     return 0 if verdict.ok else 1

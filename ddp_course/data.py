@@ -120,7 +120,7 @@ class CharTokenizer:
         self.stoi = {c: i for i, c in enumerate(self.chars)}
 
     @classmethod
-    def from_text(cls, text: str) -> "CharTokenizer":
+    def from_text(cls, text: str) -> CharTokenizer:
         return cls(text)
 
     @property

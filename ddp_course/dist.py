@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import os
 import random
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Iterator
 
 import torch
 import torch.distributed as dist

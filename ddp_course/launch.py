@@ -37,7 +37,7 @@ _JOB_VAR = "DDP_COURSE_JOB"  # every process of a job carries this id, so none c
 class LaunchError(RuntimeError):
     """A launched job failed. ``str(err)`` explains; ``.run`` holds the output and exit code."""
 
-    def __init__(self, message: str, run: "Run"):
+    def __init__(self, message: str, run: Run):
         super().__init__(message)
         self.run = run
 
@@ -231,7 +231,8 @@ def run(module: str = TRAIN_MODULE, nproc: int = 2, *, out_dir: str | os.PathLik
     - ``out_dir``: the run folder (``ddp_course.train`` writes its metrics there); default
       ``runs/<module>-<time>``.
     - ``timeout``: seconds before the job is stopped and :class:`LaunchTimeout` raised.
-    - ``echo``: "rank0" (lines from rank 0 and unprefixed output), "all", or "none".
+    - ``echo``: "rank0" (rank 0's lines and unprefixed output; per-step lines are left to the
+      progress bar when there is one), "all", or "none".
     - ``use_torchrun``: default True when nproc > 1 or the strategy needs a process group;
       a one-process run of ``strategy=single`` starts plain ``python -m`` (faster).
     - ``check``: raise :class:`LaunchError` when the job fails (else return the failed Run).
@@ -300,6 +301,8 @@ def run(module: str = TRAIN_MODULE, nproc: int = 2, *, out_dir: str | os.PathLik
             return
         if echo == "rank0" and line.startswith("[rank ") and not line.startswith("[rank 0]"):
             return
+        if echo == "rank0" and bar is not None and line.startswith("step "):
+            return  # the bar shows progress and loss; every logged step is in run.metrics
         if bar is not None:
             bar.write(line)
         else:

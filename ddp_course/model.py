@@ -27,7 +27,7 @@ class GPTConfig:
     activation_checkpointing: bool = False
 
     @classmethod
-    def from_train(cls, cfg, vocab_size: int) -> "GPTConfig":
+    def from_train(cls, cfg, vocab_size: int) -> GPTConfig:
         return cls(vocab_size=vocab_size, block_size=cfg.block_size, n_layer=cfg.n_layer, n_head=cfg.n_head,
                    n_embd=cfg.n_embd, dropout=cfg.dropout, activation_checkpointing=cfg.activation_checkpointing)
 

@@ -19,8 +19,8 @@ import math
 import os
 import sys
 import time
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 import torch
 import torch.distributed as dist

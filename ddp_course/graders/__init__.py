@@ -1,0 +1,1 @@
+"""Graders of the exercise scripts: module gNN grades exercise NN (``grade(path) -> Verdict``)."""
