@@ -16,6 +16,7 @@ from typing import Any
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 DEVICES = ("auto", "cpu", "cuda")
+COMM_HOOKS = ("none", "fp16", "bf16")
 
 
 class ConfigError(ValueError):
@@ -64,6 +65,12 @@ class TrainConfig:
     weight_decay: float = 0.1  # AdamW decay, applied to matrices only
     grad_clip: float = 1.0  # clip the global gradient norm to this (0 = off)
     seed: int = 1337  # model init is seeded identically on every rank; data order per epoch
+    # --- DDP internals (lesson 05) ----------------------------------------------------------
+    bucket_cap_mb: float = 25.0  # gradient bucket size: one all-reduce per bucket
+    broadcast_buffers: bool = True  # DDP re-broadcasts rank 0's buffers before every forward
+    find_unused_parameters: bool = False  # tolerate parameters that get no gradient (costs a graph walk)
+    static_graph: bool = False  # promise the graph is the same every step (lets DDP optimise)
+    comm_hook: str = "none"  # gradient compression on the wire: none | fp16 | bf16
     # --- evaluation, logging, checkpoints ----------------------------------------------------
     eval_interval: int = 50  # evaluate every N steps (and at the end); 0 = only at the end
     eval_batches: int = 8  # validation micro-batches per rank per evaluation
@@ -71,6 +78,7 @@ class TrainConfig:
     out_dir: str = "runs/default"  # where config.json, metrics.jsonl, summary.json are written
     ckpt_interval: int = 0  # save a checkpoint every N steps (0 = never)
     resume: bool = False  # continue from the latest checkpoint in out_dir
+    keep_last: int = 2  # checkpoints kept on disk (older ones are deleted after a save)
     compile: bool = False  # torch.compile the model before wrapping
     sample_tokens: int = 0  # if > 0: generate this many characters at the end (rank 0)
     fail_at_step: int = -1  # fault injection: rank `fail_rank` raises at this step (-1 = off)
@@ -102,6 +110,10 @@ class TrainConfig:
             raise bad(f"--val_fraction must be between 0 and 1 (got {self.val_fraction}).")
         if self.timeout_s <= 0:
             raise bad(f"--timeout_s must be positive (got {self.timeout_s}).")
+        if self.comm_hook not in COMM_HOOKS:
+            raise bad(f"--comm_hook={self.comm_hook!r} is not a hook; choose one of {', '.join(COMM_HOOKS)}.")
+        if self.bucket_cap_mb <= 0:
+            raise bad(f"--bucket_cap_mb must be positive (got {self.bucket_cap_mb}).")
         if self.global_batch_size < 0:
             raise bad(f"--global_batch_size must be 0 (unused) or positive (got {self.global_batch_size}).")
 

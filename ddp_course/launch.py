@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import re
 import signal
 import subprocess
 import sys
@@ -31,7 +32,8 @@ from ddp_course.dist import choose_device, cpu_count
 from ddp_course.metrics import read_jsonl
 
 TRAIN_MODULE = "ddp_course.train"
-_JOB_VAR = "DDP_COURSE_JOB"  # every process of a job carries this id, so none can be left behind
+_JOB_VAR = "DDP_COURSE_JOB"
+_RANK_PREFIX = re.compile(r"^\[rank ?(\d+)\]")  # every process of a job carries this id, so none can be left behind
 
 
 class LaunchError(RuntimeError):
@@ -299,8 +301,9 @@ def run(module: str = TRAIN_MODULE, nproc: int = 2, *, out_dir: str | os.PathLik
     def show(line: str) -> None:
         if echo == "none":
             return
-        if echo == "rank0" and line.startswith("[rank ") and not line.startswith("[rank 0]"):
-            return
+        m = _RANK_PREFIX.match(line)
+        if echo == "rank0" and m and m.group(1) != "0":
+            return  # another rank's line ("[rank 1] ..." from log(), "[rank1]: ..." from torch)
         if echo == "rank0" and bar is not None and line.startswith("step "):
             return  # the bar shows progress and loss; every logged step is in run.metrics
         if bar is not None:

@@ -226,7 +226,7 @@ def run_training(cfg: TrainConfig, info: DistInfo) -> dict:
 
         if cfg.ckpt_interval and done % cfg.ckpt_interval == 0:
             t0 = time.perf_counter()
-            path = checkpoint.save(out_dir, done, model, optimizer, scaler, info, shape)
+            path = checkpoint.save(out_dir, done, model, optimizer, scaler, info, shape, keep_last=cfg.keep_last)
             if path is not None:
                 log(f"[ddp_course] checkpoint {path}")
             t_interval += time.perf_counter() - t0
