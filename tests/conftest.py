@@ -48,3 +48,18 @@ def torchrun(module: str, nproc: int, args: list[str], timeout: float = 180, env
 def tiny() -> dict:
     """Overrides for a model small enough that a run takes a second or two on a CPU."""
     return dict(TINY)
+
+
+@pytest.fixture
+def one_thread():
+    """Run the test's torch ops on one thread (restored afterwards).
+
+    The tiny models gain nothing from a second thread, and OpenMP threads that spin while another
+    process holds the other core make such tests many times slower.
+    """
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -19,7 +19,6 @@ from ddp_course.data import (
     train_sampler,
 )
 
-
 # conftest.py points DDP_COURSE_DATA at the shared corpus; read it before any test empties it
 _DATA_DIR = os.environ.get("DDP_COURSE_DATA")
 
