@@ -17,6 +17,7 @@ from typing import Any
 PRECISIONS = ("fp32", "bf16", "fp16")
 DEVICES = ("auto", "cpu", "cuda")
 COMM_HOOKS = ("none", "fp16", "bf16")
+DATA_ORDERS = ("sampler", "stream")
 
 
 class ConfigError(ValueError):
@@ -46,6 +47,7 @@ class TrainConfig:
     corpus: str = "tinyshakespeare"  # tinyshakespeare | offline | a path to a UTF-8 text file
     val_fraction: float = 0.1  # the tail of the corpus held out for evaluation
     num_workers: int = 0  # DataLoader worker processes per rank
+    data_order: str = "sampler"  # sampler: DistributedSampler epochs | stream: random windows, rank-offset slices
     # --- model -------------------------------------------------------------------------------
     block_size: int = 64  # context length in tokens
     n_layer: int = 2  # transformer blocks
@@ -110,6 +112,8 @@ class TrainConfig:
             raise bad(f"--val_fraction must be between 0 and 1 (got {self.val_fraction}).")
         if self.timeout_s <= 0:
             raise bad(f"--timeout_s must be positive (got {self.timeout_s}).")
+        if self.data_order not in DATA_ORDERS:
+            raise bad(f"--data_order={self.data_order!r} is not a data order; choose one of {', '.join(DATA_ORDERS)}.")
         if self.comm_hook not in COMM_HOOKS:
             raise bad(f"--comm_hook={self.comm_hook!r} is not a hook; choose one of {', '.join(COMM_HOOKS)}.")
         if self.bucket_cap_mb <= 0:

@@ -215,6 +215,38 @@ def train_batches(ds: Dataset, batch_size: int, rank: int, world_size: int, seed
         epoch, skip = epoch + 1, 0
 
 
+def stream_offsets(n_tokens: int, block_size: int, batch_size: int, rank: int, world_size: int, seed: int,
+                   start_batch: int = 0):
+    """This rank's window start offsets, batch after batch, forever: the streaming alternative.
+
+    Every rank owns a generator seeded with the same ``seed``; each step it draws the start offsets
+    of the whole global batch (``world_size * batch_size`` positions anywhere in the token stream)
+    and keeps slice ``rank`` of them (rank-offset windows). The ranks' slices are disjoint pieces of
+    one draw, so together they are exactly the batch one process with ``world_size * batch_size``
+    draws. No sampler, no epochs, nothing to forget to call; windows are drawn with replacement.
+    (Seeding each rank with ``seed + rank`` and drawing only its own slice also gives every rank
+    different data, but then no single-process run reproduces the DDP run.)
+    """
+    span = n_tokens - block_size  # a window needs block_size + 1 tokens: starts 0 .. n - block_size - 1
+    if span < 1:
+        raise ValueError(f"{n_tokens} tokens cannot fill one window of {block_size} + 1")
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(start_batch):  # a resumed run skips the draws the finished steps consumed
+        torch.randint(span, (world_size * batch_size,), generator=g)
+    while True:
+        starts = torch.randint(span, (world_size * batch_size,), generator=g)
+        yield starts[rank * batch_size:(rank + 1) * batch_size]
+
+
+def stream_batches(tokens: torch.Tensor, block_size: int, batch_size: int, rank: int, world_size: int,
+                   seed: int, start_batch: int = 0):
+    """Yield this rank's (x, y) batches of windows at the offsets of :func:`stream_offsets`."""
+    for starts in stream_offsets(len(tokens), block_size, batch_size, rank, world_size, seed, start_batch):
+        x = torch.stack([tokens[s: s + block_size] for s in starts.tolist()])
+        y = torch.stack([tokens[s + 1: s + block_size + 1] for s in starts.tolist()])
+        yield x, y
+
+
 def val_batches(ds: Dataset, batch_size: int, n_batches: int, rank: int, world_size: int):
     """A fixed validation subset, split across ranks (rank r takes windows r, r+W, ...)."""
     n = min(len(ds), batch_size * n_batches * world_size)

@@ -28,7 +28,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from ddp_course import checkpoint, parallel
 from ddp_course.config import ConfigError, TrainConfig, parse_cli
-from ddp_course.data import CorpusError, prepare, train_batches, val_batches
+from ddp_course.data import CorpusError, prepare, stream_batches, train_batches, val_batches
 from ddp_course.dist import DeviceError, DistInfo, all_reduce_mean, log, seed_everything, setup
 from ddp_course.metrics import MetricsWriter, environment, mfu, peak_memory, reset_peak_memory, write_json
 from ddp_course.model import GPTConfig, MiniGPT
@@ -169,9 +169,13 @@ def run_training(cfg: TrainConfig, info: DistInfo) -> dict:
     metrics = MetricsWriter(out_dir, enabled=info.is_main, append=start_step > 0)
 
     pin = device.type == "cuda"
-    train_iter = train_batches(data.train, cfg.micro_batch_size, info.rank, info.world_size, cfg.seed,
-                               start_batch=start_step * cfg.grad_accum_steps, num_workers=cfg.num_workers,
-                               pin_memory=pin)
+    if cfg.data_order == "stream":  # random windows, rank-offset slices of one draw (no sampler, no epochs)
+        train_iter = stream_batches(data.train.tokens, cfg.block_size, cfg.micro_batch_size, info.rank,
+                                    info.world_size, cfg.seed, start_batch=start_step * cfg.grad_accum_steps)
+    else:
+        train_iter = train_batches(data.train, cfg.micro_batch_size, info.rank, info.world_size, cfg.seed,
+                                   start_batch=start_step * cfg.grad_accum_steps, num_workers=cfg.num_workers,
+                                   pin_memory=pin)
     val = val_batches(data.val, cfg.micro_batch_size, cfg.eval_batches, info.rank, info.world_size)
 
     def sync() -> None:
