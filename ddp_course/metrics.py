@@ -1,5 +1,10 @@
 """Metrics are data: rank 0 appends one JSON object per logged step to ``metrics.jsonl``.
 
+A training row carries ``step`` (optimizer steps done), ``loss`` (mean training loss over the steps
+since the previous row, averaged over ranks), ``lr``, ``tokens_per_s`` (over that interval, all
+ranks together), ``grad_norm`` and, on a GPU with a known peak, ``mfu``; an evaluation row carries
+``step`` and ``val_loss``.
+
 Plots, tests and the launcher's progress bar read these files; nothing scrapes logs.
 """
 

@@ -187,6 +187,7 @@ def run_training(cfg: TrainConfig, info: DistInfo) -> dict:
     t_start = time.perf_counter()
     t_interval, train_time, steady_time, steady_tokens = t_start, 0.0, 0.0, 0
     loss_avg, val_loss, first_interval, last_logged = float("nan"), None, True, start_step
+    interval_loss = torch.zeros((), device=device)
     for step in range(start_step, cfg.max_steps):
         lr = lr_at(step, cfg)
         for group in optimizer.param_groups:
@@ -195,16 +196,18 @@ def run_training(cfg: TrainConfig, info: DistInfo) -> dict:
                  for x, y in (next(train_iter) for _ in range(cfg.grad_accum_steps))]
         loss, grad_norm = train_step(model, optimizer, scaler, micro, device=device, precision=cfg.precision,
                                      grad_clip=cfg.grad_clip, no_sync=cfg.no_sync)
+        interval_loss += loss  # summed on the device: no sync until the next log row
         done = step + 1
         if done - 1 == cfg.fail_at_step and info.rank == cfg.fail_rank:
             raise RuntimeError(f"injected failure on rank {info.rank} at step {done - 1} (--fail_at_step)")
 
         if done % cfg.log_interval == 0 or done == cfg.max_steps:
-            loss_avg = all_reduce_mean(loss, info)  # a sync point: every rank takes part
-            sync()
-            now = time.perf_counter()
-            dt = now - t_interval
             n_steps, last_logged = done - last_logged, done
+            # mean over the interval's steps and over ranks: a sync point, every rank takes part
+            loss_avg = all_reduce_mean(interval_loss / n_steps, info)
+            interval_loss = torch.zeros((), device=device)
+            sync()
+            dt = time.perf_counter() - t_interval
             tps = tokens_per_step * n_steps / dt
             train_time += dt
             if not first_interval:  # the first interval holds warm-up (allocations, first kernels)

@@ -1,0 +1,34 @@
+"""Exercise 01's grader passes the solution, and fails the learner's copy and a plausible wrong answer."""
+
+from __future__ import annotations
+
+from ddp_course.check import grade
+
+from conftest import ROOT
+
+SOLUTION = ROOT / "solutions" / "exercises" / "01_global_val_loss.py"
+
+
+def test_solution_passes():
+    verdict = grade("01", SOLUTION, timeout=120)
+    assert verdict.ok, verdict.message
+
+
+def test_mean_of_means_fails(tmp_path):
+    # The classic mistake: average the per-rank means. With uneven shards it is wrong.
+    src = SOLUTION.read_text()
+    start = src.index("    # BEGIN SOLUTION")
+    end = src.index("    # END SOLUTION") + len("    # END SOLUTION")
+    wrong = ("    mean = (local_sum / local_count).detach().double()\n"
+             "    dist.all_reduce(mean, op=dist.ReduceOp.SUM)\n"
+             "    return (mean / dist.get_world_size()).item()")
+    broken = tmp_path / "broken.py"
+    broken.write_text(src[:start] + wrong + src[end:])
+    verdict = grade("01", broken, timeout=120)
+    assert not verdict.ok
+    assert "per-rank means" in verdict.message
+
+
+def test_learner_copy_is_not_yet_done():
+    verdict = grade("01", ROOT / "lessons" / "exercises" / "01_global_val_loss.py", timeout=120)
+    assert not verdict.ok and "TODO" in verdict.message

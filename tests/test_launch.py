@@ -1,0 +1,116 @@
+"""The launcher: failures surface the failing rank's traceback, bad input fails before any process
+starts, and neither a timeout nor an interrupt leaves a process behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from ddp_course.config import ConfigError
+from ddp_course.launch import LaunchError, LaunchTimeout, run
+
+from conftest import ROOT, TINY
+
+
+def tagged_processes(tag: str) -> list[int]:
+    """Live processes whose environment carries DDP_TEST_TAG=tag."""
+    needle = f"DDP_TEST_TAG={tag}".encode()
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if needle in (entry / "environ").read_bytes().split(b"\0"):
+                    pids.append(int(entry.name))
+            except OSError:
+                pass
+    return pids
+
+
+pytestmark = pytest.mark.skipif(not Path("/proc").is_dir(), reason="process checks read /proc (Linux)")
+
+
+def test_failing_rank_traceback_is_in_the_error(tmp_path):
+    with pytest.raises(LaunchError) as err:
+        run("ddp_course.train", nproc=2, strategy="ddp", max_steps=20, fail_at_step=3, fail_rank=1,
+            out_dir=tmp_path / "crash", echo="none", progress=False, timeout=120, **TINY)
+    msg = str(err.value)
+    # the root cause, not the other rank's "connection closed" consequence
+    assert "first failure was on rank 1" in msg
+    assert "injected failure on rank 1 at step 3" in msg
+    assert "Traceback" in msg and "train.py" in msg
+    assert err.value.run.returncode != 0
+
+
+def test_bad_input_fails_before_any_process_starts(tmp_path):
+    t0 = time.monotonic()
+    with pytest.raises(ConfigError, match="Did you mean --max_steps"):
+        run("ddp_course.train", nproc=2, strategy="ddp", max_step=3, out_dir=tmp_path / "a")
+    with pytest.raises(ConfigError, match="does not divide"):
+        run("ddp_course.train", nproc=2, strategy="ddp", global_batch_size=30, micro_batch_size=4,
+            out_dir=tmp_path / "b")
+    with pytest.raises(ConfigError, match="strategy='ddp'"):
+        run("ddp_course.train", nproc=2, strategy="single", out_dir=tmp_path / "c")
+    assert time.monotonic() - t0 < 5, "validation must not launch torchrun"
+
+
+def test_timeout_stops_every_process(tmp_path):
+    tag = uuid.uuid4().hex
+    with pytest.raises(LaunchTimeout, match="ran past its timeout"):
+        run("ddp_course.train", nproc=2, strategy="ddp", max_steps=10**6, out_dir=tmp_path / "t",
+            echo="none", progress=False, timeout=12, env={"DDP_TEST_TAG": tag}, **{**TINY, "log_interval": 50})
+    assert tagged_processes(tag) == []
+
+
+def test_keyboard_interrupt_stops_every_process(tmp_path):
+    tag = uuid.uuid4().hex
+    out = tmp_path / "int"
+    script = (
+        "from ddp_course.launch import run\n"
+        f"run('ddp_course.train', nproc=2, strategy='ddp', max_steps=10**6, out_dir={str(out)!r}, progress=False,\n"
+        f"    env={{'DDP_TEST_TAG': {tag!r}}}, **{dict(TINY)!r})\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        deadline = time.monotonic() + 90
+        while not (out / "metrics.jsonl").exists() or not (out / "metrics.jsonl").read_text():
+            assert proc.poll() is None, proc.stdout.read()
+            assert time.monotonic() < deadline, "training did not start within 90 s"
+            time.sleep(0.2)
+        workers = tagged_processes(tag)
+        assert len(workers) >= 3, f"expected torchrun and 2 workers, found {workers}"
+        proc.send_signal(signal.SIGINT)  # what the notebook's stop button sends to the kernel
+        output, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert "Interrupted: stopped the job" in output
+    time.sleep(0.5)
+    assert tagged_processes(tag) == [], "processes of the interrupted job are still running"
+
+
+def test_run_returns_metrics_and_rerun_starts_clean(tmp_path):
+    kw = dict(nproc=1, strategy="single", max_steps=10, out_dir=tmp_path / "r", echo="none", progress=False,
+              timeout=120, **TINY)
+    first = run("ddp_course.train", **kw)
+    assert [r["step"] for r in first.train_rows] == [5, 10]
+    assert first.summary["steps"] == 10 and first.config["world_size"] == 1
+    second = run("ddp_course.train", **{**kw, "max_steps": 5})
+    # the folder is re-used: the second run's metrics must not be appended to the first's
+    assert [r["step"] for r in second.train_rows] == [5]
+
+
+def test_cli_run_reports_a_crash(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "ddp_course", "run", "--nproc=2", "--strategy=ddp", "--max_steps=20",
+                           "--fail_at_step=2", f"--out_dir={tmp_path / 'cli'}", "--n_layer=1", "--n_embd=32",
+                           "--block_size=32", "--micro_batch_size=4"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    assert "injected failure on rank 0" in proc.stderr
