@@ -14,6 +14,15 @@ PORT        ?= 8888
 PY          := $(VENV)/bin/python
 STAMP       := $(VENV)/.ddp_course-installed
 PYTEST_ARGS ?=
+# JupyterLab refuses to run as root unless told to (containers often run as root)
+ROOT_FLAG   := $(if $(filter 0,$(shell id -u)),--allow-root)
+# Offline machines: a folder ../shared/data holding tinyshakespeare.txt, beside the checkout, is
+# used when DDP_COURSE_DATA is not set (that is how CI runs without a network).
+ifeq ($(origin DDP_COURSE_DATA),undefined)
+  ifneq ($(wildcard $(CURDIR)/../shared/data/tinyshakespeare.txt),)
+    export DDP_COURSE_DATA := $(abspath $(CURDIR)/../shared/data)
+  endif
+endif
 
 .PHONY: lab test setup clean lessons check-lessons bench-overhead
 
@@ -40,7 +49,7 @@ $(STAMP): pyproject.toml
 
 lab: setup
 	@echo "[lab] starting JupyterLab; open the URL below (lessons/00_setup.ipynb is the first lesson)"
-	$(PY) -m jupyter lab --ip=127.0.0.1 --port=$(PORT) --no-browser --ServerApp.root_dir=$(CURDIR)
+	$(PY) -m jupyter lab --ip=127.0.0.1 --port=$(PORT) --no-browser $(ROOT_FLAG) --ServerApp.root_dir=$(CURDIR)
 
 test: setup
 	$(PY) -m pytest tests solutions --nbval-lax --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg \
