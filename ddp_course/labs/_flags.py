@@ -1,0 +1,47 @@
+"""Strict ``--key=value`` options for the small lab programs and benchmarks.
+
+    opts = parse_flags(argv, {"out_dir": "runs/x", "timeout_s": 15.0}, prog="python -m ddp_course.labs.x")
+
+Each value is converted to the type of its default; an unknown key, a missing ``=`` or a value of
+the wrong type raises :class:`FlagError` with one paragraph that says what to write instead. Keys
+are matched exactly (never by prefix), and ``-`` in a key is read as ``_``.
+"""
+
+from __future__ import annotations
+
+import difflib
+from typing import Any
+
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+class FlagError(ValueError):
+    """A bad command-line option. The message says what the valid options are."""
+
+
+def parse_flags(argv: list[str], defaults: dict[str, Any], prog: str) -> dict[str, Any]:
+    """Return ``defaults`` updated from ``--key=value`` arguments, each converted to its default's type."""
+    values = dict(defaults)
+    valid = ", ".join(f"--{k}={v}" for k, v in defaults.items())
+    for arg in argv:
+        if not arg.startswith("--") or "=" not in arg:
+            raise FlagError(f"{prog}: unexpected argument {arg!r}. Options are written --key=value; "
+                            f"the options and their defaults are: {valid}.")
+        key, value = arg[2:].split("=", 1)
+        key = key.replace("-", "_")
+        if key not in defaults:
+            close = difflib.get_close_matches(key, list(defaults), n=2)
+            hint = f" Did you mean {' or '.join('--' + c for c in close)}?" if close else ""
+            raise FlagError(f"{prog}: unknown option --{key}.{hint} The options and their defaults are: {valid}.")
+        default = defaults[key]
+        try:
+            if isinstance(default, bool):
+                if value.lower() not in _TRUE + _FALSE:
+                    raise ValueError(value)
+                values[key] = value.lower() in _TRUE
+            else:
+                values[key] = type(default)(value)
+        except ValueError:
+            raise FlagError(f"{prog}: --{key} expects a {type(default).__name__} (got {value!r}), "
+                            f"e.g. --{key}={default}.") from None
+    return values
