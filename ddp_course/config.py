@@ -132,10 +132,12 @@ class TrainConfig:
         per_step = self.micro_batch_size * world_size
         if self.global_batch_size % per_step:
             lo = (self.global_batch_size // per_step) * per_step
-            hint = f"--global_batch_size={lo or per_step} or {lo + per_step}"
+            hint = f"--global_batch_size={lo} or {lo + per_step}" if lo else f"--global_batch_size={per_step}"
             raise ConfigError(
                 f"--global_batch_size={self.global_batch_size} does not divide into micro-batches of "
-                f"{self.micro_batch_size} on {world_size} rank(s) (micro_batch_size x world_size = {per_step}). "
+                f"{self.micro_batch_size} on {world_size} rank(s): grad_accum_steps = global_batch_size / "
+                f"(micro_batch_size x world_size) = {self.global_batch_size} / {per_step} = "
+                f"{self.global_batch_size / per_step:g}, not a whole number. "
                 f"Use a multiple of {per_step} (for example {hint}), or change --micro_batch_size.")
         self.grad_accum_steps = self.global_batch_size // per_step
 
