@@ -1,0 +1,247 @@
+"""Instruments shared by the lesson-05 labs (``ddp_internals``, ``ddp_profile``) and ``benchmarks/buckets``.
+
+- :func:`parse_flags`: strict ``--key=value`` options (unknown key or wrong type -> a clear error).
+- :class:`BucketRecorder`: a DDP communication hook that records every bucket DDP hands it (index,
+  parameter names, size) before passing it on to the real hook -- so it counts all-reduces per step.
+- :class:`CollectiveCounter`: sees every collective (``c10d`` operator) issued inside its ``with``
+  block -- DDP's own all-reduces included -- with its dtype and bytes: the traffic, measured.
+- :func:`ring_bytes_sent`: what one rank sends over the network for a collective of a given payload.
+- :func:`read_trace`: the spans of a ``torch.profiler`` Chrome trace that the overlap timeline draws.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+class FlagError(ValueError):
+    """A bad command-line option. The message lists the valid options."""
+
+
+def parse_flags(argv: list[str], defaults: dict[str, Any], prog: str) -> dict[str, Any]:
+    """``defaults`` updated from ``--key=value`` arguments, each converted to its default's type."""
+    values = dict(defaults)
+    valid = ", ".join(f"--{k}={v}" for k, v in defaults.items())
+    for arg in argv:
+        if not arg.startswith("--") or "=" not in arg:
+            raise FlagError(f"{prog}: unexpected argument {arg!r}. Options are written --key=value; "
+                            f"the options and their defaults are: {valid}.")
+        key, value = arg[2:].split("=", 1)
+        key = key.replace("-", "_")
+        if key not in defaults:
+            close = difflib.get_close_matches(key, list(defaults), n=2)
+            hint = f" Did you mean {' or '.join('--' + c for c in close)}?" if close else ""
+            raise FlagError(f"{prog}: unknown option --{key}.{hint} The options and their defaults are: {valid}.")
+        default = defaults[key]
+        try:
+            if isinstance(default, bool):
+                if value.lower() not in _TRUE + _FALSE:
+                    raise ValueError(value)
+                values[key] = value.lower() in _TRUE
+            else:
+                values[key] = type(default)(value)
+        except ValueError:
+            raise FlagError(f"{prog}: --{key} expects a {type(default).__name__} (got {value!r}), "
+                            f"e.g. --{key}={default}.") from None
+    return values
+
+
+def float_list(text: str, name: str) -> list[float]:
+    """``"25,0.1,0.05"`` -> ``[25.0, 0.1, 0.05]`` (all positive), or a clear error."""
+    try:
+        values = [float(v) for v in str(text).split(",") if v.strip()]
+    except ValueError:
+        raise FlagError(f"--{name}={text!r} must be comma-separated numbers, e.g. --{name}=25,0.1,0.05.") from None
+    if not values or min(values) <= 0:
+        raise FlagError(f"--{name}={text!r} must list positive numbers, e.g. --{name}=25,0.1,0.05.")
+    return values
+
+
+def write_json(path: Path, obj: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=1), encoding="utf-8")
+    tmp.replace(path)
+
+
+# --------------------------------------------------------------------------------------------------
+# what DDP does, observed
+
+class BucketRecorder:
+    """Register as DDP's communication hook; records each bucket, then runs ``inner`` on it.
+
+    ``inner`` is any hook ``(process_group, bucket) -> Future`` (default: the plain averaging
+    all-reduce, what DDP does without a hook). DDP calls the hook once per bucket, in the order the
+    buckets become ready, so ``len(recorder.calls_in(step))`` is the number of all-reduces that step.
+    """
+
+    def __init__(self, ddp, names: dict[int, str], inner=None, process_group=None, events: list | None = None):
+        self.names = names  # id(parameter) -> name
+        self.inner = inner or default_hooks.allreduce_hook
+        self.process_group = process_group
+        self.events = events  # optional shared, time-ordered event log
+        self.step = 0
+        self.calls: list[dict[str, Any]] = []
+        ddp.register_comm_hook(self, BucketRecorder._hook)
+
+    @staticmethod
+    def _hook(self, bucket):  # no annotations: DDP compares them with the real classes
+        params = [self.names.get(id(p), "?") for p in bucket.parameters()]
+        call = {"step": self.step, "index": bucket.index(), "params": params, "numel": bucket.buffer().numel(),
+                "bytes": bucket.buffer().numel() * bucket.buffer().element_size(), "is_last": bucket.is_last()}
+        self.calls.append(call)
+        if self.events is not None:
+            self.events.append({"t": time.perf_counter(), "kind": "all-reduce launched", "what": f"bucket {call['index']}"})
+        return self.inner(self.process_group, bucket)
+
+    def calls_in(self, step: int) -> list[dict[str, Any]]:
+        return [c for c in self.calls if c["step"] == step]
+
+
+class CollectiveCounter(TorchDispatchMode):
+    """Every collective issued inside ``with CollectiveCounter() as c:`` -- DDP's included.
+
+    Collectives reach the backend through ``c10d`` operators (``c10d.allreduce_``,
+    ``c10d._allgather_base_``, ``c10d.broadcast_`` ...), also when DDP's C++ reducer issues them; a
+    dispatch mode sees each one with its tensors. ``payload_bytes`` counts the tensors a rank hands
+    in (for an all-gather, its own input, not the gathered output).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[dict[str, Any]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.namespace == "c10d":
+            name = func.__name__.split(".")[0].strip("_")
+            tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+            if name in ("allgather_base", "allgather_into_tensor_coalesced", "reduce_scatter_base"):
+                tensors = tensors[1:2]  # (output, input): the rank's payload is its input
+            elif name == "allgather":
+                tensors = tensors[-1:]
+            if tensors:
+                self.ops.append({"op": name, "dtype": str(tensors[0].dtype).replace("torch.", ""),
+                                 "numel": sum(t.numel() for t in tensors),
+                                 "bytes": sum(t.numel() * t.element_size() for t in tensors)})
+        return func(*args, **kwargs)
+
+    def summary(self, world_size: int) -> dict[str, Any]:
+        counts = Counter(o["op"] for o in self.ops)
+        return {"ops": dict(counts), "payload_bytes": sum(o["bytes"] for o in self.ops),
+                "sent_bytes_ring": sum(ring_bytes_sent(o["op"], o["bytes"], world_size) for o in self.ops),
+                "dtypes": sorted({o["dtype"] for o in self.ops})}
+
+
+def ring_bytes_sent(op: str, payload_bytes: float, world_size: int) -> float:
+    """Bytes one rank sends for a collective of ``payload_bytes`` per rank, with ring algorithms.
+
+    all-reduce: reduce-scatter then all-gather, each passing (n-1) chunks of payload/n: 2(n-1)/n x B.
+    all-gather: each rank's B travels to the n-1 others, one hop at a time: (n-1) x B.
+    broadcast (pipelined ring): about B.
+    """
+    n = world_size
+    if op.startswith("allreduce"):
+        return 2 * (n - 1) / n * payload_bytes
+    if op.startswith("allgather"):
+        return (n - 1) * payload_bytes
+    return float(payload_bytes)
+
+
+def record_grad_ready(model: torch.nn.Module, events: list) -> list:
+    """A post-accumulate-grad hook on every parameter: logs when each gradient is final.
+
+    ``Tensor.register_post_accumulate_grad_hook`` runs right after autograd has written ``p.grad``
+    -- the moment DDP's own hook (on the same gradient accumulator) marks the parameter ready.
+    """
+    handles = []
+    for name, p in model.named_parameters():
+        def hook(param, name=name):
+            events.append({"t": time.perf_counter(), "kind": "grad ready", "what": name})
+        handles.append(p.register_post_accumulate_grad_hook(hook))
+    return handles
+
+
+# --------------------------------------------------------------------------------------------------
+# timing and traces
+
+def time_steps(step_fn, n: int, group=None) -> float:
+    """Seconds per call of ``step_fn`` over ``n`` calls, the slowest rank's (all ranks must call)."""
+    dist.barrier(group=group)
+    t0 = time.perf_counter()
+    for _ in range(n):
+        step_fn()
+    dt = torch.tensor([(time.perf_counter() - t0) / n], dtype=torch.float64)
+    dist.all_reduce(dt, op=dist.ReduceOp.MAX, group=group)  # a step is done when every rank is done
+    return float(dt.item())
+
+
+COMM_EVENTS = ("gloo:all_reduce", "nccl:all_reduce", "gloo:all_gather", "nccl:all_gather")
+
+
+def read_trace(path: str | Path, step_name: str = "step") -> dict[str, Any]:
+    """The spans of a profiler Chrome trace that tell the overlap story, in ms from the first step.
+
+    Returns ``steps`` (``record_function`` ranges named ``step ...``), ``phases`` (ranges named
+    forward / backward / allreduce by hand / optimizer), ``compute`` (autograd backward functions
+    on the main thread), ``comm`` (all-reduce spans as the backend runs them, on its own threads)
+    and ``launch`` (where the main thread handed each all-reduce to the backend).
+    """
+    events = json.loads(Path(path).read_text(encoding="utf-8"))["traceEvents"]
+    spans = [e for e in events if e.get("ph") == "X" and "dur" in e]
+    steps = sorted((e for e in spans if str(e["name"]).startswith(step_name + " ")), key=lambda e: e["ts"])
+    if not steps:
+        raise ValueError(f"{path}: no record_function range named '{step_name} ...' in the trace")
+    t0 = steps[0]["ts"]
+    main_tid = steps[0]["tid"]
+
+    def ms(e):
+        return {"name": e["name"], "start": (e["ts"] - t0) / 1e3, "end": (e["ts"] + e["dur"] - t0) / 1e3}
+
+    phases = [ms(e) for e in spans if e["name"] in ("forward", "backward", "allreduce by hand", "optimizer")
+              and e["tid"] == main_tid]
+    compute = [ms(e) for e in spans if e["tid"] == main_tid
+               and str(e["name"]).startswith("autograd::engine::evaluate_function:")]
+    comm = [ms(e) for e in spans if e["name"] in COMM_EVENTS]
+    launch = [ms(e) for e in spans if e["tid"] == main_tid and str(e["name"]).startswith("c10d::allreduce")]
+    return {"steps": [ms(e) for e in steps], "phases": sorted(phases, key=lambda s: s["start"]),
+            "compute": sorted(compute, key=lambda s: s["start"]), "comm": sorted(comm, key=lambda s: s["start"]),
+            "launch": sorted(launch, key=lambda s: s["start"])}
+
+
+def overlap_stats(trace: dict[str, Any]) -> dict[str, float]:
+    """Per step: all-reduce time, how much of it ran while backward was still computing, and the rest.
+
+    Backward *compute* ends with the last autograd function of the step; all-reduce time after that
+    point is exposed: the step waits for it.
+    """
+    out = []
+    for step in trace["steps"]:
+        inside = [c for c in trace["compute"] if step["start"] <= c["start"] < step["end"]]
+        comm = [c for c in trace["comm"] if step["start"] <= c["start"] < step["end"]]
+        if not inside:
+            continue
+        bwd_start = min(c["start"] for c in inside)
+        bwd_end = max(c["end"] for c in inside)
+        total = sum(c["end"] - c["start"] for c in comm)
+        hidden = sum(max(0.0, min(c["end"], bwd_end) - max(c["start"], bwd_start)) for c in comm)
+        comm_end = max((c["end"] for c in comm), default=bwd_end)
+        out.append({"step_ms": step["end"] - step["start"], "backward_compute_ms": bwd_end - bwd_start,
+                    "allreduce_ms": total, "allreduce_hidden_ms": hidden,
+                    "exposed_after_backward_ms": max(0.0, comm_end - bwd_end), "n_allreduce": len(comm)})
+    if not out:
+        raise ValueError("no step of the trace holds backward functions")
+    return {k: sum(o[k] for o in out) / len(out) for k in out[0]}
