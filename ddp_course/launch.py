@@ -32,8 +32,8 @@ from ddp_course.dist import choose_device, cpu_count
 from ddp_course.metrics import read_jsonl
 
 TRAIN_MODULE = "ddp_course.train"
-_JOB_VAR = "DDP_COURSE_JOB"
-_RANK_PREFIX = re.compile(r"^\[rank ?(\d+)\]")  # every process of a job carries this id, so none can be left behind
+_JOB_VAR = "DDP_COURSE_JOB"  # every process of a job carries this id, so none can be left behind
+_RANK_PREFIX = re.compile(r"^\[rank ?(\d+)\]")
 
 
 class LaunchError(RuntimeError):
