@@ -1,0 +1,89 @@
+"""The multi-node torchrun command, run for real with two "nodes" on this one machine.
+
+    python -m ddp_course.labs.two_nodes --nproc_per_node=2 --out_dir=runs/two_nodes
+
+On a real cluster you run the same torchrun command once on every node; only ``--node_rank``
+differs. Here both "nodes" are torchrun agents on this machine that meet at a rendezvous endpoint
+on 127.0.0.1, each starting ``--nproc_per_node`` workers of ``ddp_course.labs.env_report``, which
+write what their environment says (RANK, LOCAL_RANK, GROUP_RANK, ...) into ``--out_dir``.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+from ddp_course.labs._flags import FlagError, parse_flags
+from ddp_course.labs.spawn_demo import free_port
+from ddp_course.launch import _JOB_VAR, stop_job
+
+PROG = "python -m ddp_course.labs.two_nodes"
+DEFAULTS = {"nproc_per_node": 2, "out_dir": "runs/two_nodes", "timeout_s": 90.0}
+
+
+def node_command(node_rank: int, nnodes: int, nproc_per_node: int, master_addr: str, master_port: int,
+                 script: list[str], python: str = "torchrun") -> list[str]:
+    """The torchrun command for one node (static rendezvous: node 0 hosts it at master_addr:port)."""
+    launcher = [python] if python == "torchrun" else [python, "-m", "torch.distributed.run"]
+    return [*launcher, f"--nnodes={nnodes}", f"--node_rank={node_rank}", f"--nproc_per_node={nproc_per_node}",
+            f"--master_addr={master_addr}", f"--master_port={master_port}", *script]
+
+
+def elastic_command(nnodes: int, nproc_per_node: int, endpoint: str, job_id: str, script: list[str]) -> list[str]:
+    """The torchrun command with the c10d rendezvous: the same line on every node, ranks by arrival."""
+    return ["torchrun", f"--nnodes={nnodes}", f"--nproc_per_node={nproc_per_node}", f"--rdzv_id={job_id}",
+            "--rdzv_backend=c10d", f"--rdzv_endpoint={endpoint}", *script]
+
+
+def run_two_nodes(out_dir: str | Path, nproc_per_node: int = 2, timeout: float = 90.0) -> list[str]:
+    """Start two torchrun agents (node_rank 0 and 1) on 127.0.0.1 and wait for both.
+
+    Returns the two command lines. Raises RuntimeError (with the output) if either fails, and stops
+    every process of both jobs on timeout.
+    """
+    port = free_port()
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    script = ["-m", "ddp_course.labs.env_report", f"--out_dir={out_dir}"]
+    job = uuid.uuid4().hex
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", _JOB_VAR: job}
+    cmds = [node_command(r, 2, nproc_per_node, "127.0.0.1", port, script, python=sys.executable) for r in (0, 1)]
+    logs = [open(out_dir / f"node{r}.log", "w", encoding="utf-8") for r in (0, 1)]  # a pipe could fill up
+    procs = [subprocess.Popen(c, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                              text=True, env=env, start_new_session=True) for c, log in zip(cmds, logs)]
+    start = time.monotonic()
+    try:
+        while any(p.poll() is None for p in procs):
+            if time.monotonic() - start > timeout:
+                raise RuntimeError(f"the two-node job did not finish within {timeout:.0f}s and was stopped")
+            time.sleep(0.2)
+    finally:
+        for p, log in zip(procs, logs):
+            stop_job(p, job)  # a no-op for a finished agent; otherwise it and its workers are stopped
+            log.close()
+    outputs = [(out_dir / f"node{r}.log").read_text(encoding="utf-8") for r in (0, 1)]
+    for r, (p, out) in enumerate(zip(procs, outputs)):
+        if p.returncode != 0:
+            raise RuntimeError(f"node {r} exited with {p.returncode}:\n{out[-3000:]}")
+    return [" ".join(c) for c in cmds]
+
+
+def main(argv: list[str]) -> int:
+    try:
+        opts = parse_flags(argv, DEFAULTS, PROG)
+    except FlagError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    for line in run_two_nodes(opts["out_dir"], opts["nproc_per_node"], opts["timeout_s"]):
+        print(line)
+    for f in sorted(Path(opts["out_dir"]).glob("env_rank*.json")):
+        print(f.read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
