@@ -4,6 +4,10 @@
     python -m ddp_course.bench overhead             the course's train_step against a hand-written loop
     python -m ddp_course.bench ddp_vs_threads       2-rank DDP on CPU against one process with 2 threads
     python -m ddp_course.bench overhead --n_layer=4 --rounds=9 --out=/tmp/bench
+    python -m ddp_course.bench NAME --help          the options of one benchmark
+
+``overhead`` and ``ddp_vs_threads`` live in this file; every module ``ddp_course/benchmarks/NAME.py``
+(with ``main(argv) -> int``) is a benchmark too, run the same way.
 
 Each benchmark prints a table and writes ``<out>/<name>.json`` (``--out`` defaults to
 ``bench_results``). Options are ``--key=value``; unknown keys are refused. Speed targets live here,
@@ -93,10 +97,34 @@ def parse_options(b: Bench, argv: list[str]) -> dict[str, Any]:
     return values
 
 
+def module_benches() -> dict[str, str]:
+    """{name: module} for the benchmark modules in ``ddp_course/benchmarks/`` (each has ``main(argv)``)."""
+    import pkgutil
+
+    from ddp_course import benchmarks
+
+    return {m.name: f"{benchmarks.__name__}.{m.name}" for m in pkgutil.iter_modules(benchmarks.__path__)
+            if not m.name.startswith("_") and m.name not in BENCHES}
+
+
+def _module_summary(module: str) -> str:
+    """The first line of a module's docstring, read without importing it."""
+    import ast
+    import importlib.util
+
+    spec = importlib.util.find_spec(module)
+    try:
+        doc = ast.get_docstring(ast.parse(Path(spec.origin).read_text(encoding="utf-8"))) or ""
+    except (OSError, SyntaxError, TypeError, AttributeError):
+        doc = ""
+    return doc.strip().splitlines()[0] if doc.strip() else ""
+
+
 def usage(b: Bench | None = None) -> str:
     if b is None:
         lines = [__doc__.strip(), "", "benchmarks:"]
         lines += [f"  {x.name:<16} {x.summary}" for x in BENCHES.values()]
+        lines += [f"  {name:<16} {_module_summary(mod)}" for name, mod in sorted(module_benches().items())]
         lines += ["", "options of one benchmark: python -m ddp_course.bench NAME --help"]
         return "\n".join(lines)
     lines = [f"usage: python -m ddp_course.bench {b.name} [--key=value ...]", "", (b.run.__doc__ or "").strip(),
@@ -530,8 +558,13 @@ def main(argv: list[str] | None = None) -> int:
         print(usage())
         return 0
     name, rest = argv[0], argv[1:]
+    modules = module_benches()
+    if name in modules:  # a benchmark of its own module: it parses its own options
+        import importlib
+
+        return int(importlib.import_module(modules[name]).main(rest) or 0)
     if name not in BENCHES:
-        print(f"error: unknown benchmark {name!r}; choose one of {', '.join(BENCHES)} "
+        print(f"error: unknown benchmark {name!r}; choose one of {', '.join([*BENCHES, *sorted(modules)])} "
               "(`python -m ddp_course.bench --help`).", file=sys.stderr)
         return 2
     b = BENCHES[name]

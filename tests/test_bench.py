@@ -65,6 +65,8 @@ def test_cli_lists_benchmarks_and_refuses_unknown_keys(capsys, tmp_path):
     assert bench.main([]) == 0
     out = capsys.readouterr().out
     assert "overhead" in out and "ddp_vs_threads" in out
+    for name in bench.module_benches():  # ddp_course/benchmarks/NAME.py run through the same command
+        assert f"  {name} " in out
     assert bench.main(["overhead", "--help"]) == 0
     assert "--micro_batch_size=16" in capsys.readouterr().out
     assert bench.main(["overhead", "--nlayer=3", f"--out={tmp_path}"]) == 2
