@@ -226,7 +226,8 @@ def overlap_stats(trace: dict[str, Any]) -> dict[str, float]:
     """Per step: all-reduce time, how much of it ran while backward was still computing, and the rest.
 
     Backward *compute* ends with the last autograd function of the step; all-reduce time after that
-    point is exposed: the step waits for it.
+    point is exposed: the step waits for it. ``launched_during_backward`` counts the all-reduces that
+    started before backward's last function did (0 when there is no overlap).
     """
     out = []
     for step in trace["steps"]:
@@ -239,7 +240,9 @@ def overlap_stats(trace: dict[str, Any]) -> dict[str, float]:
         total = sum(c["end"] - c["start"] for c in comm)
         hidden = sum(max(0.0, min(c["end"], bwd_end) - max(c["start"], bwd_start)) for c in comm)
         comm_end = max((c["end"] for c in comm), default=bwd_end)
-        out.append({"step_ms": step["end"] - step["start"], "backward_compute_ms": bwd_end - bwd_start,
+        last_fn_start = max(c["start"] for c in inside)
+        out.append({"launched_during_backward": sum(c["start"] < last_fn_start for c in comm),
+                    "step_ms": step["end"] - step["start"], "backward_compute_ms": bwd_end - bwd_start,
                     "allreduce_ms": total, "allreduce_hidden_ms": hidden,
                     "exposed_after_backward_ms": max(0.0, comm_end - bwd_end), "n_allreduce": len(comm)})
     if not out:
