@@ -551,11 +551,14 @@ def _python_work(n: int) -> int:
 
 def gil_demo(n_threads: int = 2, python_iters: int = 300_000, matmul_size: int = 384, matmuls: int = 6,
              repeats: int = 3) -> dict:
-    """Time the same work run n times one after another vs in n threads at once, for pure Python
-    (holds the GIL) and for torch matrix products (release it). torch runs one intra-op thread
-    during the measurement, so any speed-up comes from the Python threads alone.
+    """Run the same work ``n_threads`` times one after another, then in ``n_threads`` threads at once,
+    for pure Python (holds the GIL) and for torch matrix products (release it while they compute).
 
-    Returns seconds for each, and the speed-up (sequential / threaded).
+    For each it reports wall seconds, the speed-up (sequential / threaded), and ``cores``: the CPU
+    seconds the process burned during the threaded run divided by its wall seconds -- how many cores
+    were busy at once on average. Under the GIL pure Python cannot exceed about 1 core whatever the
+    machine is doing; kernels that release it can reach ``n_threads`` when that many cores are free.
+    torch runs one intra-op thread during the measurement, so any parallelism comes from the threads.
     """
     a = torch.randn(matmul_size, matmul_size)
 
@@ -563,7 +566,7 @@ def gil_demo(n_threads: int = 2, python_iters: int = 300_000, matmul_size: int =
         for _ in range(matmuls):
             a @ a
 
-    def run(work: Callable[[], object], threaded: bool) -> float:
+    def measure(work: Callable[[], object], threaded: bool) -> tuple[float, float]:
         def once() -> None:
             if threaded:
                 ts = [threading.Thread(target=work) for _ in range(n_threads)]
@@ -574,21 +577,29 @@ def gil_demo(n_threads: int = 2, python_iters: int = 300_000, matmul_size: int =
             else:
                 for _ in range(n_threads):
                     work()
+
         once()  # warm-up
-        return _median_time(once, repeats)
+        walls, cpus = [], []
+        for _ in range(repeats):
+            w0, c0 = time.perf_counter(), time.process_time()
+            once()
+            walls.append(time.perf_counter() - w0)
+            cpus.append(time.process_time() - c0)
+        wall = statistics.median(walls)
+        return wall, statistics.median(c / w for c, w in zip(cpus, walls))
 
     before = torch.get_num_threads()
     torch.set_num_threads(1)
+    out: dict = {"threads": n_threads, "gil_enabled": getattr(sys, "_is_gil_enabled", lambda: True)()}
     try:
-        py = {"sequential_s": run(lambda: _python_work(python_iters), False),
-              "threaded_s": run(lambda: _python_work(python_iters), True)}
-        tk = {"sequential_s": run(torch_work, False), "threaded_s": run(torch_work, True)}
+        for kind, work in (("python", lambda: _python_work(python_iters)), ("torch", torch_work)):
+            seq_wall, seq_cores = measure(work, threaded=False)
+            thr_wall, thr_cores = measure(work, threaded=True)
+            out[kind] = {"sequential_s": seq_wall, "threaded_s": thr_wall, "speedup": seq_wall / thr_wall,
+                         "cores_sequential": seq_cores, "cores": thr_cores}
     finally:
         torch.set_num_threads(before)
-    for d in (py, tk):
-        d["speedup"] = d["sequential_s"] / d["threaded_s"]
-    gil = getattr(sys, "_is_gil_enabled", lambda: True)()
-    return {"threads": n_threads, "gil_enabled": gil, "python": py, "torch": tk}
+    return out
 
 
 # --------------------------------------------------------------------------------------------------

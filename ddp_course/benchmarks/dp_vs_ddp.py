@@ -144,6 +144,8 @@ def run(echo: str = "rank0", **overrides: Any) -> dict[str, Any]:
           f"{opts['steps']} steps", flush=True)
     runs = {}
     for kind, nproc, micro in (("dp", 1, opts["batch"]), ("ddp", n, opts["batch"] // n)):
+        for stale in (base / kind).glob("gpu_memory_rank*.json"):  # a re-run must not mix in old ranks
+            stale.unlink()
         r = launch.run(LAB, nproc=nproc, out_dir=base / kind, timeout=opts["timeout_s"], echo=echo,
                        use_torchrun=kind == "ddp", env=env, strategy=kind, micro_batch_size=micro, **common)
         s = r.summary
