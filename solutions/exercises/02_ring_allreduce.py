@@ -26,6 +26,7 @@ The course's grader runs it with 2 and with 4 processes:
 """
 
 import json
+import sys
 
 import torch
 import torch.distributed as dist
@@ -122,7 +123,12 @@ def main() -> None:
             f"{max(x['max_err'] for x in results):.1e}; sent {big['sent']} elements for {big['size']} "
             f"({big['sent'] / big['size']:.2f}x, 2(n-1)/n = {2 * (n - 1) / n:.2f}) -> {'PASS' if ok else 'FAIL'}",
             all_ranks=True)
-        print("RESULT " + json.dumps({"rank": r, "world_size": n, "ok": ok, "results": results}), flush=True)
+        # One write() of the whole line: print() writes the text and the newline separately, and another
+        # rank's output could land in between (all ranks share one pipe); a single write under 4 KiB is atomic.
+        line = "RESULT " + json.dumps({"rank": r, "world_size": n, "ok": ok, "results": results},
+                                      separators=(",", ":")) + "\n"
+        sys.stdout.write(line)
+        sys.stdout.flush()
     raise SystemExit(0 if ok else 1)
 
 
