@@ -1,0 +1,215 @@
+"""Lesson 06: the no_sync lab, the no_sync bench, the exercise grader, and the batch bookkeeping error.
+
+(The package's own ``train_step`` -- no_sync gradient equivalence and all-reduce counts -- is tested
+in tests/test_distributed.py; these tests cover what lesson 06 adds.) Every launch has a timeout.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from pathlib import Path
+
+import pytest
+
+from ddp_course.launch import run
+
+ROOT = Path(__file__).resolve().parents[1]
+SOLUTION = ROOT / "solutions" / "exercises" / "06_no_sync.py"
+SOLUTION_RE = re.compile(r"    # BEGIN SOLUTION.*?# END SOLUTION\n", re.S)
+
+
+# --- the lab -------------------------------------------------------------------------------------------
+
+@pytest.mark.timeout(150)
+def test_lab_counts_all_reduces_and_compares_gradients_with_one_big_batch(tmp_path):
+    # small buckets: several all-reduces per backward, so "1 vs K" is checked per bucket, not only per step
+    run("ddp_course.labs.no_sync_lab", nproc=2, out_dir=tmp_path, timeout=120, progress=False, echo="none",
+        k=4, n_micro=10, bucket_cap_mb=0.1)
+    res = json.loads((tmp_path / "no_sync_lab.json").read_text())
+    assert res["world_size"] == 2 and res["steps"] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    b, tol = res["n_buckets"], res["grad_rtol"]
+    assert b > 1, "bucket_cap_mb=0.1 should split the ~0.4 MB of gradients into several buckets"
+    every = [[0, 1, 2, 3], [0, 1, 2, 3], [0, 1]]
+    last = [[3], [3], [1]]
+
+    def col(variant, key):
+        return [s[key] for s in res["variants"][variant]["steps"]]
+
+    for variant, want in (("no_sync", last), ("always_sync", every), ("backward_only", every),
+                          ("flag_after_forward", [[0]] * 3), ("forward_only", [[]] * 3), ("loss_over_k", last)):
+        assert col(variant, "synced_micro_steps") == want, variant
+        assert col(variant, "bucket_all_reduces") == [len(w) * b for w in want], variant  # every bucket, per sync
+        for s in res["variants"][variant]["steps"]:  # the hook saw the same on every rank
+            assert all(r["synced_micro_steps"] == s["synced_micro_steps"] for r in s["ranks"]), variant
+
+    # Right gradients (tolerance explained in the lab: summation order gives ~1e-7), identical replicas.
+    for variant in ("no_sync", "always_sync", "backward_only"):
+        assert max(col(variant, "rel_err")) <= tol, variant
+        assert max(col(variant, "replica_max_diff")) == 0.0, variant
+    # Wrong ones: a rank-local part of the gradient misses by tens of percent and the replicas differ.
+    for variant in ("flag_after_forward", "forward_only"):
+        assert min(col(variant, "rel_err")) > 0.1, variant
+        assert min(col(variant, "replica_max_diff")) > 0.0, variant
+    # The leftover step of 2 divided by K = 4: exactly half the gradient; the full steps are right.
+    assert col("loss_over_k", "matches_big_batch") == [True, True, False]
+    assert col("loss_over_k", "norm_ratio")[-1] == pytest.approx([0.5, 0.5], rel=1e-5)
+
+
+@pytest.mark.timeout(60)
+def test_lab_refuses_unknown_options(tmp_path):
+    r = run("ddp_course.labs.no_sync_lab", nproc=1, out_dir=tmp_path, timeout=50, progress=False, echo="none",
+            use_torchrun=False, check=False, bogus=3)
+    assert r.returncode != 0
+    assert "unknown option --bogus" in r.output
+
+
+def test_chunks_puts_the_leftover_in_a_last_shorter_step():
+    from ddp_course.labs.no_sync_lab import chunks
+
+    assert chunks(10, 4) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    assert chunks(8, 4) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert chunks(3, 5) == [[0, 1, 2]]
+    with pytest.raises(ValueError):
+        chunks(0, 4)
+
+
+# --- the bench -----------------------------------------------------------------------------------------
+
+@pytest.mark.timeout(150)
+def test_bench_times_both_modes_and_checks_the_counts(tmp_path):
+    from ddp_course.benchmarks import no_sync
+
+    res = no_sync.bench(ks="1,4", world_sizes="2", rounds=1, steps=1, warmup=0, n_layer=1, n_embd=32, n_head=2,
+                        micro_batch_size=2, timeout_s=120, out=tmp_path)
+    on_disk = json.loads((tmp_path / "no_sync.json").read_text())
+    assert on_disk["jobs"][0]["rows"] == res["jobs"][0]["rows"]
+    (job,) = on_disk["jobs"]
+    assert job["world_size"] == 2 and job["backend"] == "gloo"
+    b = job["n_buckets"]
+    for k in (1, 4):  # the same-work check the bench made before timing, kept in its output
+        assert job["counts"][f"{k}/no_sync"]["bucket_all_reduces"] == b
+        assert job["counts"][f"{k}/sync"]["bucket_all_reduces"] == k * b
+        assert job["counts"][f"{k}/no_sync"]["synced_micro_steps"] == [k - 1]
+    assert [r["k"] for r in job["rows"]] == [1, 4]
+    for r in job["rows"]:
+        assert 0 < r["no_sync_s"] < 60 and 0 < r["sync_s"] < 60
+        assert r["predicted_saved_s"] == pytest.approx((r["k"] - 1) * job["allreduce_s"])
+    assert job["allreduce_s"] > 0
+
+
+def test_bench_refuses_bad_options(capsys):
+    from ddp_course.benchmarks import no_sync
+
+    with pytest.raises(no_sync.BenchError, match="unknown option --rondus"):
+        no_sync.parse_options(["--rondus=3"])
+    with pytest.raises(no_sync.BenchError, match="comma-separated integers"):
+        no_sync.parse_options(["--ks=1,two"])
+    with pytest.raises(no_sync.BenchError, match="at least 1"):
+        no_sync.parse_options(["--world_sizes=0,2"])
+    assert no_sync.main(["--steps=0"]) == 1
+    assert "error: --steps must be at least 1" in capsys.readouterr().err
+
+
+# --- the exercise grader -------------------------------------------------------------------------------
+
+def _variant(tmp_path: Path, name: str, body: str) -> Path:
+    path = tmp_path / f"06_{name}.py"
+    path.write_text(SOLUTION_RE.sub(lambda m: body, SOLUTION.read_text()))
+    return path
+
+
+BACKWARD_ONLY = '''    n = len(micro_batches)
+    for i, (x, y) in enumerate(micro_batches):
+        _, loss = model(x, y)
+        with model.no_sync() if use_no_sync and i < n - 1 else contextlib.nullcontext():
+            (loss / n).backward()
+'''
+
+@pytest.mark.timeout(150)
+def test_grader_passes_the_solution():
+    from ddp_course.check import grade
+
+    verdict = grade("06", SOLUTION, timeout=120)
+    assert verdict.ok, verdict.message
+    assert "only the last micro-step all-reduced" in verdict.message
+
+
+@pytest.mark.timeout(150)
+def test_grader_detects_no_sync_around_backward_only_and_says_why(tmp_path):
+    from ddp_course.check import grade
+
+    verdict = grade("06", _variant(tmp_path, "backward_only", BACKWARD_ONLY), timeout=120)
+    assert not verdict.ok
+    for phrase in ("every one of the 4 micro-steps all-reduced", "classic silent bug", "during the *forward*",
+                   "forward AND the backward"):
+        assert phrase in verdict.message, (phrase, verdict.message)
+
+
+# The lab test above measures the all-reduce pattern of each misplacement (flag set after forward:
+# [0]; forward-only: []); this checks, without a launch each, that the grader names every pattern.
+@pytest.mark.parametrize("synced, use_no_sync, phrase", [
+    ([3], True, None),
+    ([0, 1, 2, 3], False, None),
+    ([0, 1, 2, 3], True, "classic silent bug"),
+    ([], True, "no micro-step all-reduced at all"),
+    ([0], True, "only the FIRST micro-step"),
+    ([1, 3], True, "should. "),
+    ([3], False, "with use_no_sync=False every micro-step should all-reduce"),
+])
+def test_grader_names_each_all_reduce_pattern(synced, use_no_sync, phrase):
+    from ddp_course.graders.g06 import _count_problem
+
+    case = {"name": "K=4", "micro_batches": 4, "use_no_sync": use_no_sync, "synced_micro_steps": synced,
+            "bucket_all_reduces": len(synced), "forwards": 4}
+    problem = _count_problem(case, n_buckets=1)
+    assert (problem is None) if phrase is None else (phrase in problem), problem
+
+
+# --- tokens-per-update bookkeeping ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("world, accum", [(1, 8), (2, 4), (4, 2), (8, 1)])
+def test_global_batch_fixes_tokens_per_update_across_world_sizes(world, accum):
+    from ddp_course.config import TrainConfig
+
+    cfg = TrainConfig(global_batch_size=64, micro_batch_size=8, block_size=64)
+    cfg.resolve_batch(world)
+    assert cfg.grad_accum_steps == accum
+    assert cfg.global_batch(world) * cfg.block_size == 64 * 64
+
+
+def test_uneven_global_batch_is_refused_with_the_arithmetic_before_any_process_starts(tmp_path):
+    from ddp_course.config import ConfigError, TrainConfig
+
+    with pytest.raises(ConfigError) as exc:
+        TrainConfig(global_batch_size=48, micro_batch_size=8).resolve_batch(4)
+    msg = str(exc.value)
+    assert "48 / 32 = 1.5, not a whole number" in msg and "--global_batch_size=32 or 64" in msg
+    with pytest.raises(ConfigError) as exc:  # below one step: a single suggestion, not "128 or 128"
+        TrainConfig(global_batch_size=64, micro_batch_size=8).resolve_batch(16)
+    assert "for example --global_batch_size=128)" in str(exc.value)
+
+    t0 = time.perf_counter()
+    with pytest.raises(ConfigError, match="40 / 16 = 2.5"):
+        run("ddp_course.train", nproc=2, strategy="ddp", micro_batch_size=8, global_batch_size=40,
+            out_dir=tmp_path / "bad", timeout=30)
+    assert time.perf_counter() - t0 < 5  # refused in this process: no torchrun start-up
+    assert not (tmp_path / "bad").exists()
+
+
+@pytest.mark.parametrize("index, k, ratio, phrase", [
+    (0, 4, 4.0, "It is 4 times too large: divide each micro-batch's loss"),
+    (2, 3, 0.75, "you divided by a fixed K = 4"),
+    (0, 4, 1.0, None),
+])
+def test_grader_names_each_gradient_scale_mistake(index, k, ratio, phrase):
+    from ddp_course.graders.g06 import _grad_problem
+
+    ref = {"w": 2.0, "b": 1.0}
+    exact = phrase is None
+    case = {"name": "case", "micro_batches": k, "norm_ratio": ratio, "rel_err": 1e-7 if exact else abs(ratio - 1),
+            "replica_max_diff": 0.0, "param_grad_norms": {n: v * ratio for n, v in ref.items()}}
+    ranks = [{"cases": [case] * 3}, {"cases": [case] * 3}]
+    problem = _grad_problem(case, ranks, ref, index)
+    assert (problem is None) if exact else (phrase in problem), problem
