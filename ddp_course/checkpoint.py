@@ -1,16 +1,49 @@
-"""Full-state checkpoints: written by rank 0, atomically, loaded by every rank.
+"""Checkpoints: the full training state, written atomically, in two formats behind one interface.
 
-A checkpoint holds the unwrapped model (so it loads into a plain MiniGPT), the optimizer, the
-GradScaler, the step (from which the LR schedule and the data position follow), the model shape it
-was made with, and RNG states. Files are written under a temporary name and renamed; the ``latest``
-pointer is replaced last, so a process killed mid-save leaves the previous checkpoint intact.
+What a checkpoint holds (both formats):
+
+- ``model``: the model's state by parameter name, unwrapped (no DDP ``module.`` prefix), so it
+  loads into a plain MiniGPT; ``optimizer``: AdamW's moments and step counts, keyed by the same names;
+- ``scaler``: the fp16 GradScaler's scale and growth tracker (None without one);
+- ``step``: optimizer steps done -- the LR schedule follows from it;
+- ``position``: where the data stream stands (samples seen, epoch, batch inside the epoch);
+- ``rng``: the Python, torch (and CUDA) generator states of *every* rank, gathered to rank 0;
+- ``shape`` and ``world_size``: the model options and number of ranks it was made with.
+
+Two formats (``--ckpt_format``), one interface (:func:`save`, :func:`latest`, :func:`resume`):
+
+- ``full``: ``checkpoints/step_0000100.pt``, one file written by rank 0 with ``torch.save``;
+- ``sharded``: ``checkpoints/step_0000100/``, written with ``torch.distributed.checkpoint`` (DCP):
+  every rank writes its part (``__<rank>_0.distcp``), rank 0 the index (``.metadata``) and
+  ``meta.pt`` (everything that is not a model or optimizer tensor).
+
+Both load at any world size (the data-parallel state is replicated, so every rank reads all of it).
+
+Atomic: a checkpoint is written under a ``.tmp`` name and renamed when complete; the ``latest``
+pointer is replaced after that, and old checkpoints are deleted last (``keep_last``). A process
+killed in the middle of a save leaves a ``.tmp`` leftover (removed by the next save) and the
+previous checkpoint, still complete and still pointed to.
+
+Safe: everything is read with ``torch.load(weights_only=True)`` -- tensors and plain Python values
+only. DCP's own index is a pickle; it is read with an unpickler that admits only DCP's metadata
+classes. A truncated or missing file, or a checkpoint of another model shape, raises
+:class:`CheckpointError` naming the file and the problem.
+
+Collectives: :func:`save`, :func:`save_final` and :func:`resume` are collectives -- every rank
+must call them, in the same order. Only rank 0 touches the files of the ``full`` format, but the
+gathers and barriers around the writing are outside any ``if rank == 0``: a collective that only
+rank 0 enters waits forever for the others (the classic checkpoint hang).
 """
 
 from __future__ import annotations
 
+import io
 import os
 import pickle
 import random
+import re
+import shutil
+import warnings
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -18,112 +51,521 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ddp_course.parallel import unwrap
-
+FORMATS = ("full", "sharded")
 SHAPE_KEYS = ("block_size", "n_layer", "n_head", "n_embd", "vocab_size")
+POINTER = "latest"
+FINAL = "final.pt"
+META = "meta.pt"  # inside a sharded checkpoint: step, position, scaler, rng, shape, world size
+_NAME = re.compile(r"^step_(\d+)(\.pt)?$")
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be used. The message names the file and the problem."""
 
 
+# --- where checkpoints live ------------------------------------------------------------------------
+
 def ckpt_dir(out_dir: str | os.PathLike) -> Path:
     return Path(out_dir) / "checkpoints"
 
 
+def checkpoint_path(out_dir: str | os.PathLike, step: int, fmt: str = "full") -> Path:
+    """``step_0000100.pt`` (full) or ``step_0000100/`` (sharded) under ``out_dir/checkpoints``."""
+    _check_format(fmt)
+    return ckpt_dir(out_dir) / (f"step_{step:07d}.pt" if fmt == "full" else f"step_{step:07d}")
+
+
+def format_of(path: str | os.PathLike) -> str:
+    """``sharded`` for a checkpoint directory, ``full`` for a file."""
+    return "sharded" if Path(path).is_dir() else "full"
+
+
+def list_checkpoints(out_dir: str | os.PathLike) -> list[Path]:
+    """Committed checkpoints (no ``.tmp`` leftovers), oldest first."""
+    d = ckpt_dir(out_dir)
+    if not d.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in d.iterdir() if (m := _NAME.match(p.name))]
+    return [p for _, p in sorted(found)]
+
+
+def latest(out_dir: str | os.PathLike) -> Path | None:
+    """The checkpoint the ``latest`` pointer names, or None when there is no pointer yet."""
+    d = ckpt_dir(out_dir)
+    pointer = d / POINTER
+    if not pointer.exists():
+        return None
+    path = d / pointer.read_text(encoding="utf-8").strip()
+    if not path.exists():
+        raise CheckpointError(f"{pointer} names {path.name}, which does not exist (deleted by hand?). "
+                              f"Write the name of one of {[p.name for p in list_checkpoints(out_dir)]} into it, "
+                              "or start without --resume.")
+    return path
+
+
+def _check_format(fmt: str) -> None:
+    if fmt not in FORMATS:
+        raise ValueError(f"checkpoint format {fmt!r} is not one of {', '.join(FORMATS)}.")
+
+
+# --- random number generators ----------------------------------------------------------------------
+
+def rng_state(device: torch.device | str = "cpu") -> dict[str, Any]:
+    """This process's generator states: Python's, torch's CPU one, and its GPU's when it trains on one."""
+    state = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    device = torch.device(device)
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def set_rng_state(state: dict[str, Any], device: torch.device | str = "cpu") -> None:
+    if "python" in state:
+        random.setstate(_to_python_state(state["python"]))
+    if "torch" in state:
+        torch.set_rng_state(state["torch"].cpu())
+    device = torch.device(device)
+    if "cuda" in state and device.type == "cuda":
+        torch.cuda.set_rng_state(state["cuda"].cpu(), device)
+
+
+def _to_python_state(s):
+    # weights_only loading gives lists back where random.getstate() had tuples
+    return tuple(tuple(x) if isinstance(x, list) else x for x in s)
+
+
+def _gather_rng(info) -> list[dict[str, Any]] | None:
+    """Every rank's generator states, on rank 0 (None elsewhere). A collective: every rank calls it.
+
+    Ranks can differ (dropout seeded per rank, data workers), so each rank's own state is kept.
+    """
+    mine = rng_state(info.device)
+    if not info.is_distributed:
+        return [mine]
+    gathered = [None] * info.world_size if info.is_main else None
+    dist.gather_object(mine, gathered, dst=0)
+    return gathered
+
+
+# --- the position in the data ----------------------------------------------------------------------
+
+def data_position(step: int, *, micro_batch_size: int, grad_accum_steps: int, world_size: int,
+                  batches_per_epoch: int | None = None) -> dict[str, int]:
+    """Where the data stream stands after ``step`` optimizer steps.
+
+    ``samples`` (sequences seen by all ranks together) does not depend on the world size: a resumed
+    run at another world size continues from the same sample of the epoch (see :func:`start_batch`).
+    ``micro_batches`` is per rank; ``epoch`` / ``batch_in_epoch`` locate it inside the sampler's epochs.
+    """
+    micro = step * grad_accum_steps
+    epoch, batch = divmod(micro, batches_per_epoch) if batches_per_epoch else (0, micro)
+    return {"samples": micro * micro_batch_size * world_size, "micro_batches": micro, "epoch": epoch,
+            "batch_in_epoch": batch}
+
+
+def start_batch(meta: dict[str, Any], *, micro_batch_size: int, world_size: int, grad_accum_steps: int = 1) -> int:
+    """The per-rank micro-batch index at which a resumed run continues.
+
+    From the samples seen by all ranks together: with the same layout it is exactly the saved
+    ``micro_batches``; at another world size it is the first micro-batch not yet seen (the sampler
+    of every world size walks the same shuffled order of the epoch, split over the ranks).
+    """
+    pos = meta.get("position")
+    if not pos:  # a checkpoint without a recorded position: the position follows from the step
+        return int(meta["step"]) * grad_accum_steps
+    return int(pos["samples"]) // (micro_batch_size * world_size)
+
+
+# --- writing ----------------------------------------------------------------------------------------
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # not possible on every platform (Windows)
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
 def _atomic_save(obj: Any, path: Path) -> None:
+    """torch.save to ``<path>.tmp``, flushed to disk, then renamed over ``path`` (never half a file)."""
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as fh:
         torch.save(obj, fh)
         fh.flush()
         os.fsync(fh.fileno())
     os.replace(tmp, path)
+    _fsync_dir(path.parent)
 
 
-def _rng_state() -> dict[str, Any]:
-    state = {"python": random.getstate(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
 
 
-def save(out_dir, step: int, model, optimizer, scaler, info, shape: dict[str, int], keep_last: int = 2) -> Path | None:
-    """Rank 0 writes ``step_<N>.pt`` and moves ``latest`` to it; every rank waits at a barrier.
+def _remove_leftovers(d: Path) -> None:
+    """Delete ``.tmp`` leftovers of a save that was killed before it finished (rank 0)."""
+    for p in d.glob("*.tmp"):
+        _remove(p)
 
-    Every rank must call this (the barrier is a collective); only rank 0 touches the disk.
+
+def _commit(path: Path, keep_last: int) -> None:
+    """Rank 0, after the checkpoint is complete under its final name: move ``latest``, then prune."""
+    d = path.parent
+    tmp = d / (POINTER + ".tmp")
+    tmp.write_text(path.name + "\n", encoding="utf-8")
+    with open(tmp, "rb+") as fh:
+        os.fsync(fh.fileno())
+    os.replace(tmp, d / POINTER)
+    _fsync_dir(d)
+    if keep_last > 0:
+        for old in [p for p in list_checkpoints(d.parent) if p != path][:-(keep_last - 1) or None]:
+            _remove(old)
+
+
+def _full_options():
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    # full (unsharded) tensors, copied to the CPU, kept on rank 0 only: what one file holds
+    return StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+def save(out_dir: str | os.PathLike, step: int, model, optimizer, scaler, info, shape: dict[str, int], *,
+         keep_last: int = 2, fmt: str = "full", position: dict[str, int] | None = None) -> Path | None:
+    """Save the training state after ``step`` optimizer steps; returns the path on rank 0, else None.
+
+    A collective: every rank must call it. ``full``: rank 0 writes one file while the others wait at
+    the closing barrier. ``sharded``: every rank writes its part with DCP. Either way the checkpoint
+    is committed by a rename and the ``latest`` pointer moves after it.
     """
-    path = None
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    _check_format(fmt)
+    d = ckpt_dir(out_dir)
+    path = checkpoint_path(out_dir, step, fmt)
+    meta = {"format": fmt, "step": int(step), "shape": dict(shape), "world_size": info.world_size,
+            "position": dict(position) if position else None,
+            "scaler": scaler.state_dict() if scaler is not None else None, "torch": str(torch.__version__)}
+    rng = _gather_rng(info)  # every rank takes part; rank 0 receives the list
+    if fmt == "full":
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=_full_options())  # every rank (FSDP gathers)
+        if info.is_main:
+            d.mkdir(parents=True, exist_ok=True)
+            _remove_leftovers(d)
+            _atomic_save({**meta, "rng": rng, "model": model_sd, "optimizer": optim_sd}, path)
+            _commit(path, keep_last)
+    else:
+        import torch.distributed.checkpoint as dcp
+
+        if info.is_main:
+            d.mkdir(parents=True, exist_ok=True)
+            _remove_leftovers(d)
+        if info.is_distributed:
+            dist.barrier()  # nobody writes into the folder before rank 0 has cleared old leftovers
+        tmp = path.with_name(path.name + ".tmp")
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        with warnings.catch_warnings():  # one process without a process group: DCP says so, we know
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=tmp,
+                     no_dist=not info.is_distributed)
+        # dcp.save returns once every rank's part and the .metadata index are written
+        if info.is_main:
+            _atomic_save({**meta, "rng": rng}, tmp / META)
+            os.replace(tmp, path)
+            _fsync_dir(d)
+            _commit(path, keep_last)
+    if info.is_distributed:
+        dist.barrier()  # nobody continues (or exits) before the checkpoint is committed
+    return path if info.is_main else None
+
+
+def save_final(out_dir: str | os.PathLike, step: int, model, info) -> Path | None:
+    """Write ``final.pt`` (the unwrapped model's parameters after ``step`` steps), atomically, by rank 0.
+
+    A collective (every rank calls it). Cheap: the model only, no optimizer.
+    """
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    model_sd = get_model_state_dict(model, options=_full_options())
+    path = Path(out_dir) / FINAL
     if info.is_main:
-        d = ckpt_dir(out_dir)
-        d.mkdir(parents=True, exist_ok=True)
-        path = d / f"step_{step:07d}.pt"
-        state = {
-            "step": step,
-            "model": unwrap(model).state_dict(),
-            "optimizer": optimizer.state_dict(),
-            "scaler": scaler.state_dict() if scaler is not None else None,
-            "shape": dict(shape),
-            "world_size": info.world_size,
-            "rng": _rng_state(),
-        }
-        _atomic_save(state, path)
-        pointer = d / "latest"
-        tmp = d / "latest.tmp"
-        tmp.write_text(path.name + "\n", encoding="utf-8")
-        os.replace(tmp, pointer)
-        for old in sorted(d.glob("step_*.pt"))[:-keep_last] if keep_last > 0 else []:
-            old.unlink(missing_ok=True)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _atomic_save({"step": int(step), "model": model_sd}, path)
     if info.is_distributed:
         dist.barrier()
-    return path
+    return path if info.is_main else None
 
 
-def latest(out_dir) -> Path | None:
-    d = ckpt_dir(out_dir)
-    pointer = d / "latest"
-    if not pointer.exists():
-        return None
-    path = d / pointer.read_text(encoding="utf-8").strip()
-    return path if path.exists() else None
+# --- reading ----------------------------------------------------------------------------------------
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0][:200] if text else ''}"
 
 
-def load(path: str | os.PathLike, device: torch.device, shape: dict[str, int] | None = None) -> dict[str, Any]:
-    """Load a checkpoint safely (``weights_only=True``) and check it fits the model shape."""
-    path = Path(path)
+def _torch_load(path: Path, device: torch.device | str, what: str) -> dict[str, Any]:
     try:
-        state = torch.load(path, map_location=device, weights_only=True)
+        return torch.load(path, map_location=device, weights_only=True)
     except FileNotFoundError:
-        raise CheckpointError(f"checkpoint {path} does not exist.") from None
-    except (RuntimeError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile, ValueError) as exc:
-        raise CheckpointError(f"checkpoint {path} is truncated or corrupt and cannot be read "
-                              f"({type(exc).__name__}: {str(exc).splitlines()[0][:200]}). Delete it and resume "
-                              "from an earlier one, or start without --resume.") from None
-    if shape is not None:
-        diff = {k: (state["shape"].get(k), shape[k]) for k in SHAPE_KEYS
-                if k in shape and state["shape"].get(k) != shape[k]}
-        if diff:
-            desc = ", ".join(f"{k}: checkpoint {a} vs this run {b}" for k, (a, b) in diff.items())
-            raise CheckpointError(f"checkpoint {path} was made for another model shape ({desc}). "
-                                  "Resume with the same model options, or use a fresh --out_dir.")
+        raise CheckpointError(f"{what} {path} does not exist.") from None
+    except pickle.UnpicklingError as exc:
+        why = [ln.strip() for ln in str(exc).splitlines() if "WeightsUnpickler error" in ln] or [_first_line(exc)]
+        raise CheckpointError(f"{what} {path} holds more than tensors and plain Python values, so it is "
+                              f"refused (weights_only=True): {why[0][:300]}. Only load checkpoints you "
+                              "trust, and write them with ddp_course.checkpoint.") from None
+    except (RuntimeError, EOFError, zipfile.BadZipFile, ValueError, OSError) as exc:
+        raise CheckpointError(f"{what} {path} is truncated or corrupt and cannot be read ({_first_line(exc)}). "
+                              "Delete it and resume from an earlier one, or start without --resume.") from None
+
+
+def _check_shape(path: Path, state: dict[str, Any], shape: dict[str, int] | None) -> None:
+    if shape is None:
+        return
+    saved = state.get("shape") or {}
+    diff = {k: (saved.get(k), shape[k]) for k in SHAPE_KEYS if k in shape and saved.get(k) != shape[k]}
+    if diff:
+        desc = ", ".join(f"{k}: checkpoint {a} vs this run {b}" for k, (a, b) in diff.items())
+        raise CheckpointError(f"checkpoint {path} was made for another model shape ({desc}). "
+                              "Resume with the same model options, or use a fresh --out_dir.")
+
+
+def load(path: str | os.PathLike, device: torch.device | str = "cpu", shape: dict[str, int] | None = None
+         ) -> dict[str, Any]:
+    """Read a checkpoint safely and check it fits ``shape``; no process group needed.
+
+    A ``full`` file gives everything (model, optimizer, rng, ...); a ``sharded`` folder gives its
+    ``meta.pt`` (step, position, rng, scaler, shape): its tensors load in place with :func:`resume`.
+    """
+    path = Path(path)
+    if path.is_dir():
+        state = _torch_load(path / META, "cpu", "checkpoint part")
+    else:
+        state = _torch_load(path, device, "checkpoint")
+    if not isinstance(state, dict) or "step" not in state:
+        raise CheckpointError(f"{path} is not a ddp_course checkpoint (it has no 'step'); was it written "
+                              "by ddp_course.checkpoint.save?")
+    _check_shape(path, state, shape)
     return state
 
 
-def restore(state: dict[str, Any], model, optimizer, scaler) -> int:
-    """Load a checkpoint's states into the objects; returns the step to continue from."""
-    unwrap(model).load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
-    if scaler is not None and state.get("scaler") is not None:
-        scaler.load_state_dict(state["scaler"])
-    rng = state.get("rng") or {}
-    if "python" in rng:
-        random.setstate(_to_python_state(rng["python"]))
-    if "torch" in rng:
-        torch.set_rng_state(rng["torch"].cpu())
-    if "cuda" in rng and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([s.cpu() for s in rng["cuda"]])
+def restore(state: dict[str, Any], model, optimizer, scaler, info=None, path: str | os.PathLike = "checkpoint"
+            ) -> int:
+    """Put a ``full`` checkpoint's states into the objects (every rank); returns the step to continue from."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+    try:
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+                       options=StateDictOptions(full_state_dict=True))
+    except (RuntimeError, KeyError, ValueError) as exc:
+        raise CheckpointError(f"{path} does not fit this model and optimizer ({_first_line(exc)}). "
+                              "Resume with the same options it was saved with, or use a fresh --out_dir.") from None
+    _restore_rest(state, scaler, info)
     return int(state["step"])
 
 
-def _to_python_state(s):
-    # weights_only loading gives lists back where random.getstate() had tuples
-    return tuple(tuple(x) if isinstance(x, list) else x for x in s)
+def _restore_rest(state: dict[str, Any], scaler, info) -> None:
+    if scaler is not None and state.get("scaler"):
+        scaler.load_state_dict(state["scaler"])
+    rng = state.get("rng")
+    if isinstance(rng, dict):  # one state for everybody
+        rng = [rng]
+    if rng:
+        rank = info.rank if info is not None else 0
+        # a rank that did not exist when the checkpoint was saved starts from rank 0's generators
+        set_rng_state(rng[rank] if rank < len(rng) else rng[0], info.device if info is not None else "cpu")
+
+
+def _check_sharded_files(path: Path) -> None:
+    """Every part the DCP index names exists and is long enough: a precise error before DCP reads."""
+    for name in (".metadata", META):
+        if not (path / name).is_file():
+            raise CheckpointError(f"sharded checkpoint {path} is incomplete: {name} is missing. Delete the folder "
+                                  "and resume from an earlier checkpoint, or start without --resume.")
+    metadata = _read_dcp_metadata(path)
+    need: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
+    for rel, size in sorted(need.items()):
+        part = path / rel
+        if not part.is_file():
+            raise CheckpointError(f"sharded checkpoint {path} is incomplete: its part {rel} is missing "
+                                  "(every rank writes one). Delete the folder and resume from an earlier checkpoint.")
+        if part.stat().st_size < size:
+            raise CheckpointError(f"sharded checkpoint {path} is corrupt: its part {rel} has "
+                                  f"{part.stat().st_size} bytes but the index expects at least {size}. Delete the "
+                                  "folder and resume from an earlier checkpoint.")
+
+
+# DCP's index (.metadata) is a pickle: admit only DCP's own metadata classes and torch's basic types.
+_DCP_MODULES = {"torch.distributed.checkpoint.metadata"}
+_DCP_NAMES = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
+              ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("pathlib", "PosixPath"),
+              ("pathlib", "WindowsPath"), ("pathlib", "PurePosixPath"), ("pathlib", "PureWindowsPath")}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        if module in _DCP_MODULES or (module, name) in _DCP_NAMES or (
+                module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not part of a DCP index")
+
+
+def _read_dcp_metadata(path: Path):
+    md = path / ".metadata"
+    try:
+        with open(md, "rb") as fh:
+            return _MetadataUnpickler(fh).load()
+    except (pickle.UnpicklingError, EOFError, AttributeError, ValueError, TypeError, OSError) as exc:
+        raise CheckpointError(f"sharded checkpoint {path}: its index {md.name} is truncated, corrupt or not "
+                              f"DCP's ({_first_line(exc)}). Delete the folder and resume from an earlier "
+                              "checkpoint.") from None
+
+
+def _safe_reader_and_planner(path: Path):
+    from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+
+    class SafeReader(FileSystemReader):
+        def read_metadata(self, *args, **kwargs):
+            metadata = _read_dcp_metadata(Path(self.path))
+            from torch.distributed.checkpoint.metadata import StorageMeta
+
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    class SafePlanner(DefaultLoadPlanner):
+        def load_bytes(self, read_item, value: io.BytesIO) -> None:  # DCP's default: weights_only=False
+            obj = torch.load(value, weights_only=True)
+            if self.flatten_state_dict:
+                from torch.distributed.checkpoint._nested_dict import set_element
+
+                set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+            else:
+                self.state_dict[read_item.dest_index.fqn] = obj
+
+    return SafeReader(path), SafePlanner()
+
+
+def resume(path: str | os.PathLike, model, optimizer, scaler, info, shape: dict[str, int] | None = None
+           ) -> dict[str, Any]:
+    """Load a checkpoint of either format into the objects, on every rank; returns its metadata.
+
+    A collective: every rank must call it. The world size may differ from the one that saved it.
+    The model may be wrapped (DDP) or plain; with no process group it loads in this one process.
+    Restores parameters, optimizer, scaler and this rank's RNG states; the returned dict carries
+    ``step`` and ``position`` (see :func:`start_batch`).
+    """
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"checkpoint {path} does not exist.")
+    if path.is_file():
+        state = load(path, "cpu", shape)  # CPU copies; load_state_dict moves them to each rank's device
+        restore(state, model, optimizer, scaler, info, path)
+        return {k: v for k, v in state.items() if k not in ("model", "optimizer")} | {"path": str(path)}
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    _check_sharded_files(path)
+    meta = load(path, "cpu", shape)
+    model_sd, optim_sd = get_state_dict(model, optimizer)  # the structure DCP fills in place
+    state = {"model": model_sd, "optimizer": optim_sd}
+    reader, planner = _safe_reader_and_planner(path)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(state, storage_reader=reader, planner=planner, no_dist=not info.is_distributed)
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    except CheckpointException as exc:  # a BaseException in DCP: the failures of every rank
+        first = next(iter(exc.failures.values()))[0] if exc.failures else exc
+        raise CheckpointError(f"sharded checkpoint {path} cannot be loaded into this model "
+                              f"({_first_line(first)}).") from None
+    except (RuntimeError, KeyError, ValueError, AssertionError) as exc:
+        raise CheckpointError(f"sharded checkpoint {path} does not fit this model and optimizer "
+                              f"({_first_line(exc)}).") from None
+    _restore_rest(meta, scaler, info)
+    return {k: v for k, v in meta.items()} | {"path": str(path)}
+
+
+def drop_metrics_after(out_dir: str | os.PathLike, step: int) -> int:
+    """On resume (rank 0): drop the ``metrics.jsonl`` rows logged after ``step``; returns how many.
+
+    A run that crashed after its last checkpoint had logged a few steps that the resumed run
+    computes again; without this they would appear twice.
+    """
+    import json
+
+    path = Path(out_dir) / "metrics.jsonl"
+    if not path.exists():
+        return 0
+    lines = [ln for ln in path.read_text(encoding="utf-8").splitlines() if ln.strip()]
+    keep = []
+    for ln in lines:
+        try:
+            if json.loads(ln).get("step", 0) > step:
+                continue
+        except json.JSONDecodeError:  # a row cut short by the crash
+            continue
+        keep.append(ln)
+    if len(keep) != len(lines):
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(ln + "\n" for ln in keep), encoding="utf-8")
+        os.replace(tmp, path)
+    return len(lines) - len(keep)
+
+
+def restore_rng_after_first(batches, meta: dict[str, Any], info):
+    """Yield from ``batches``, putting the saved RNG states back once the first batch has been drawn.
+
+    A DataLoader draws its base seed from the global torch generator whenever an iterator starts. The
+    uninterrupted run started this epoch's iterator at the epoch's beginning; a run resumed mid-epoch
+    starts one at its first batch -- one extra draw that would shift every later dropout mask. So the
+    saved states are restored again right after that draw.
+    """
+    first = next(batches)
+    _restore_rest({"rng": meta.get("rng")}, None, info)
+    yield first
+    yield from batches
+
+
+def fingerprint(model, optimizer=None) -> str:
+    """A short SHA-256 of the unwrapped model's tensors (and the optimizer's state, if given), bit for bit.
+
+    Two fingerprints are equal only if every parameter (and every AdamW moment and step count) is
+    identical to the last bit; the names are the unwrapped ones, so a DDP model and a plain model
+    holding the same numbers agree. For replicated models (single, DDP): FSDP shards would differ by rank.
+    """
+    import hashlib
+
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    h = hashlib.sha256()
+
+    def feed(obj) -> None:
+        if isinstance(obj, torch.Tensor):
+            t = obj.detach().cpu().contiguous()
+            h.update(f"{t.dtype}{tuple(t.shape)}".encode())
+            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+        elif isinstance(obj, dict):
+            for k in sorted(obj, key=str):
+                h.update(str(k).encode())
+                feed(obj[k])
+        elif isinstance(obj, (list, tuple)):
+            for v in obj:
+                feed(v)
+        else:
+            h.update(repr(obj).encode())
+
+    feed(get_model_state_dict(model))
+    if optimizer is not None:
+        feed(optimizer.state_dict()["state"])  # by parameter index: the same order wrapped or not
+    return h.hexdigest()[:16]

@@ -81,9 +81,10 @@ class TrainConfig:
     ckpt_interval: int = 0  # save a checkpoint every N steps (0 = never)
     resume: bool = False  # continue from the latest checkpoint in out_dir
     keep_last: int = 2  # checkpoints kept on disk (older ones are deleted after a save)
+    ckpt_format: str = "full"  # full: one file written by rank 0 | sharded: torch.distributed.checkpoint, every rank writes its part
     compile: bool = False  # torch.compile the model before wrapping
     sample_tokens: int = 0  # if > 0: generate this many characters at the end (rank 0)
-    fail_at_step: int = -1  # fault injection: rank `fail_rank` raises at this step (-1 = off)
+    fail_at_step: int = -1  # fault injection: rank `fail_rank` raises after this step, on torchrun's first attempt only (-1 = off)
     fail_rank: int = 0  # which rank fails when fail_at_step is set
 
     def __post_init__(self) -> None:
@@ -118,6 +119,8 @@ class TrainConfig:
             raise bad(f"--comm_hook={self.comm_hook!r} is not a hook; choose one of {', '.join(COMM_HOOKS)}.")
         if self.bucket_cap_mb <= 0:
             raise bad(f"--bucket_cap_mb must be positive (got {self.bucket_cap_mb}).")
+        if self.ckpt_format not in ("full", "sharded"):
+            raise bad(f"--ckpt_format={self.ckpt_format!r} is not a checkpoint format; choose full or sharded.")
         if self.global_batch_size < 0:
             raise bad(f"--global_batch_size must be 0 (unused) or positive (got {self.global_batch_size}).")
 

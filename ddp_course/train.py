@@ -147,14 +147,19 @@ def run_training(cfg: TrainConfig, info: DistInfo) -> dict:
     scaler = make_scaler(device, cfg.precision)
     shape = _shape(cfg, data.tokenizer.vocab_size)
 
-    start_step = 0
+    start_step = start_batch = 0
     if cfg.resume:
         path = checkpoint.latest(out_dir)
         if path is None:
             log(f"[ddp_course] --resume: no checkpoint in {checkpoint.ckpt_dir(out_dir)}; starting from step 0")
-        else:
-            start_step = checkpoint.restore(checkpoint.load(path, device, shape), model, optimizer, scaler)
-            log(f"[ddp_course] resumed from {path} at step {start_step}")
+        else:  # every rank loads (a collective); model, optimizer, scaler, this rank's RNG, data position
+            meta = checkpoint.resume(path, model, optimizer, scaler, info, shape)
+            start_step = meta["step"]
+            start_batch = checkpoint.start_batch(meta, micro_batch_size=cfg.micro_batch_size,
+                                                 world_size=info.world_size, grad_accum_steps=cfg.grad_accum_steps)
+            dropped = checkpoint.drop_metrics_after(out_dir, start_step) if info.is_main else 0
+            log(f"[ddp_course] resumed from {path} at step {start_step} (saved by {meta['world_size']} rank(s); "
+                f"data from micro-batch {start_batch}{f'; {dropped} metrics rows after it dropped' if dropped else ''})")
 
     if info.is_main:
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -171,11 +176,14 @@ def run_training(cfg: TrainConfig, info: DistInfo) -> dict:
     pin = device.type == "cuda"
     if cfg.data_order == "stream":  # random windows, rank-offset slices of one draw (no sampler, no epochs)
         train_iter = stream_batches(data.train.tokens, cfg.block_size, cfg.micro_batch_size, info.rank,
-                                    info.world_size, cfg.seed, start_batch=start_step * cfg.grad_accum_steps)
+                                    info.world_size, cfg.seed, start_batch=start_batch)
     else:
         train_iter = train_batches(data.train, cfg.micro_batch_size, info.rank, info.world_size, cfg.seed,
-                                   start_batch=start_step * cfg.grad_accum_steps, num_workers=cfg.num_workers,
+                                   start_batch=start_batch, num_workers=cfg.num_workers,
                                    pin_memory=pin)
+    per_epoch = len(data.train) // info.world_size // cfg.micro_batch_size if cfg.data_order == "sampler" else None
+    if start_step and per_epoch and start_batch % per_epoch:  # resumed mid-epoch: see the helper's docstring
+        train_iter = checkpoint.restore_rng_after_first(train_iter, meta, info)
     val = val_batches(data.val, cfg.micro_batch_size, cfg.eval_batches, info.rank, info.world_size)
 
     def sync() -> None:
@@ -198,7 +206,9 @@ def run_training(cfg: TrainConfig, info: DistInfo) -> dict:
                                      grad_clip=cfg.grad_clip, no_sync=cfg.no_sync)
         interval_loss += loss  # summed on the device: no sync until the next log row
         done = step + 1
-        if done - 1 == cfg.fail_at_step and info.rank == cfg.fail_rank:
+        # fault injection; only on torchrun's first attempt, so that a restarted job (--max-restarts) can finish
+        if (done - 1 == cfg.fail_at_step and info.rank == cfg.fail_rank
+                and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"):
             raise RuntimeError(f"injected failure on rank {info.rank} at step {done - 1} (--fail_at_step)")
 
         if done % cfg.log_interval == 0 or done == cfg.max_steps:
@@ -233,11 +243,16 @@ def run_training(cfg: TrainConfig, info: DistInfo) -> dict:
 
         if cfg.ckpt_interval and done % cfg.ckpt_interval == 0:
             t0 = time.perf_counter()
-            path = checkpoint.save(out_dir, done, model, optimizer, scaler, info, shape, keep_last=cfg.keep_last)
+            position = checkpoint.data_position(done, micro_batch_size=cfg.micro_batch_size, world_size=info.world_size,
+                                                grad_accum_steps=cfg.grad_accum_steps, batches_per_epoch=per_epoch)
+            path = checkpoint.save(out_dir, done, model, optimizer, scaler, info, shape, keep_last=cfg.keep_last,
+                                   fmt=cfg.ckpt_format, position=position)  # every rank calls it (collectives)
             if path is not None:
                 log(f"[ddp_course] checkpoint {path}")
             t_interval += time.perf_counter() - t0
 
+    if cfg.ckpt_interval:  # final.pt: the final parameters, for comparing runs (every rank calls it)
+        checkpoint.save_final(out_dir, cfg.max_steps, model, info)
     wall = time.perf_counter() - t_start
     mem = peak_memory(device)
     steps_run = cfg.max_steps - start_step
