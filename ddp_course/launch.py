@@ -32,6 +32,7 @@ from ddp_course.dist import choose_device, cpu_count
 from ddp_course.metrics import read_jsonl
 
 TRAIN_MODULE = "ddp_course.train"
+ONE_PROCESS = ("single", "dp")  # strategies that run in one process without a process group
 _JOB_VAR = "DDP_COURSE_JOB"  # every process of a job carries this id, so none can be left behind
 _RANK_PREFIX = re.compile(r"^\[rank ?(\d+)\]")
 
@@ -217,10 +218,10 @@ def _validate_train(overrides: dict[str, Any], nproc: int) -> None:
     cfg = from_dict(overrides)
     cfg.resolve_batch(nproc)
     choose_device(cfg.device, nproc)
-    if cfg.strategy == "single" and nproc > 1:
+    if cfg.strategy in ONE_PROCESS and nproc > 1:
         from ddp_course.config import ConfigError
 
-        raise ConfigError(f"strategy='single' trains one model in one process, but nproc={nproc}. "
+        raise ConfigError(f"strategy={cfg.strategy!r} runs in one process, but nproc={nproc}. "
                           "Use strategy='ddp' for several processes, or nproc=1.")
 
 
@@ -236,7 +237,7 @@ def run(module: str = TRAIN_MODULE, nproc: int = 2, *, out_dir: str | os.PathLik
     - ``echo``: "rank0" (rank 0's lines and unprefixed output; per-step lines are left to the
       progress bar when there is one), "all", or "none".
     - ``use_torchrun``: default True when nproc > 1 or the strategy needs a process group;
-      a one-process run of ``strategy=single`` starts plain ``python -m`` (faster).
+      a one-process strategy (single, dp) starts plain ``python -m`` (faster).
     - ``check``: raise :class:`LaunchError` when the job fails (else return the failed Run).
     """
     if nproc < 1:
@@ -254,7 +255,7 @@ def run(module: str = TRAIN_MODULE, nproc: int = 2, *, out_dir: str | os.PathLik
     elif out_path is not None:
         overrides = {**overrides, "out_dir": str(out_path)}
     if use_torchrun is None:
-        use_torchrun = nproc > 1 or overrides.get("strategy", "single") != "single"
+        use_torchrun = nproc > 1 or overrides.get("strategy", "single") not in ONE_PROCESS
 
     args = to_cli(overrides)
     job_id = uuid.uuid4().hex

@@ -143,6 +143,8 @@ def run_training(cfg: TrainConfig, info: DistInfo) -> dict:
     if cfg.compile:
         model = torch.compile(model)
     model = parallel.wrap(model, info, cfg)
+    # devices doing the arithmetic, for MFU: one per rank, or all of DataParallel's replicas
+    n_devices = info.world_size * len(getattr(model, "device_ids", None) or [0])
     optimizer = build_optimizer(model, cfg, device)
     scaler = make_scaler(device, cfg.precision)
     shape = _shape(cfg, data.tokenizer.vocab_size)
@@ -227,7 +229,7 @@ def run_training(cfg: TrainConfig, info: DistInfo) -> dict:
             row = {"step": done, "loss": loss_avg, "lr": lr, "tokens_per_s": tps}
             if grad_norm is not None:
                 row["grad_norm"] = float(grad_norm)
-            u = mfu(flops_per_token, tps, info.world_size, device, cfg.precision)
+            u = mfu(flops_per_token, tps, n_devices, device, cfg.precision)
             if u is not None:
                 row["mfu"] = u
             metrics.write(row)
@@ -261,7 +263,7 @@ def run_training(cfg: TrainConfig, info: DistInfo) -> dict:
     summary = {
         "final_loss": loss_avg, "final_val_loss": val_loss, "steps": cfg.max_steps, "steps_run": steps_run,
         "total_tokens": tokens_per_step * steps_run, "wall_time_s": wall, "tokens_per_s": tokens_per_s,
-        "mfu": mfu(flops_per_token, tokens_per_s, info.world_size, device, cfg.precision),
+        "mfu": mfu(flops_per_token, tokens_per_s, n_devices, device, cfg.precision),
         "world_size": info.world_size, "backend": info.backend, "device": str(device), **mem,
     }
     if info.is_distributed:  # the largest peak over ranks is the one that decides what fits
