@@ -124,7 +124,7 @@ def grade(path: str | Path, timeout: float = 180) -> Verdict:
         problem = _data_problem(found, steps_per_epoch)
         if problem:
             return Verdict(False, f"{problem} ({measured}.)")
-        if found[0]["param_sums"] != found[1]["param_sums"]:
+        if found[0]["param_checksum"] != found[1]["param_checksum"]:
             return Verdict(False, "the two ranks end with different weights: the gradients were not averaged. "
                                   f"Wrap the model with DistributedDataParallel before training. ({measured}.)")
         if diff > PARAM_ATOL:

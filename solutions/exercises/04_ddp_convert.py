@@ -149,12 +149,14 @@ def main(argv: list[str]) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "final.pt"
     save(model, path, rank)
-    params = [p.detach().double().sum().item() for p in model.parameters()]
-    print("RESULT " + json.dumps({
-        "rank": rank, "world_size": world_size, "final": str(path.resolve()), "param_sums": params,
-        "losses": losses, "seen": seen,
+    flat = torch.cat([p.detach().double().flatten() for p in model.parameters()])
+    result = json.dumps({
+        "rank": rank, "world_size": world_size, "final": str(path.resolve()),
+        "param_checksum": [flat.sum().item(), flat.square().sum().item()], "seen": seen,
         "config": {"steps": len(losses), "micro_batch_size": MICRO_BATCH, "lr": LR, "seed": SEED,
-                   "train_windows": TRAIN_WINDOWS, "val_windows": VAL_WINDOWS, **SHAPE}}), flush=True)
+                   "train_windows": TRAIN_WINDOWS, "val_windows": VAL_WINDOWS, **SHAPE}})
+    sys.stdout.write(f"RESULT {result}\n")  # one write: lines of two ranks cannot interleave
+    sys.stdout.flush()
     teardown()
 
 
