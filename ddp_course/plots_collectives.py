@@ -99,7 +99,7 @@ def collective(per_rank: Sequence[dict], name: str, *, title: str | None = None)
                empty_before.get(name, "nothing"), True) for k, r in enumerate(recs)]
     after = [(r["after"], _colours(name, k, "after", len(r["after"] or []), chunk, r),
               empty_after.get(name, "nothing"), r.get("after_defined", True)) for k, r in enumerate(recs)]
-    fig, axes = plt.subplots(1, 2, figsize=(1.2 + 0.5 * width * 2 + 1.2, 0.42 * len(recs) + 0.9),
+    fig, axes = plt.subplots(1, 2, figsize=(1.2 + 0.42 * width * 2 + 1.2, 0.42 * len(recs) + 0.9),
                              gridspec_kw={"wspace": 0.25})
     _grid(axes[0], before, width, chunk, "before")
     _grid(axes[1], after, width, chunk, "after")
@@ -159,7 +159,7 @@ def ring_schedule(n: int = 4):
         states.append((f"all-gather step {s + 1}", [[set(c) for c in row] for row in held], changed))
 
     cols = n  # one row of panels per phase (plus the start)
-    fig, axes = plt.subplots(2, cols, figsize=(2.3 * cols, 2 * 0.42 * n + 1.6))
+    fig, axes = plt.subplots(2, cols, figsize=(2.1 * cols, 2 * 0.4 * n + 1.5))
     panels = [states[0], *states[1:n]], [None, *states[n:]]
     for row, items in enumerate(panels):
         for col, item in enumerate(items):
@@ -200,7 +200,7 @@ def _bytes_label(b: float) -> str:
 
 def allreduce_curve(result: dict[str, Any]):
     """Time per all-reduce and algorithm / bus bandwidth against message size, one colour per world size."""
-    fig, (ax_t, ax_b) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (ax_t, ax_b) = plt.subplots(1, 2, figsize=(10, 3.6))
     for i, job in enumerate(result["jobs"]):
         n = job["world_size"]
         b = [r["bytes"] for r in job["rows"]]
@@ -213,6 +213,7 @@ def allreduce_curve(result: dict[str, Any]):
     for ax in (ax_t, ax_b):
         ax.set_xscale("log", base=2)
         ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: _bytes_label(v)))
+        ax.tick_params(axis="x", labelrotation=35, labelsize=8)
         ax.set_xlabel("message size per rank")
         ax.set_yscale("log")
         ax.grid(alpha=0.3, which="both")

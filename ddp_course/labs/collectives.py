@@ -103,7 +103,8 @@ def run_collectives(rank: int, world: int, device: torch.device, delay_s: float)
         x /= world
         native = False
         note = (f"the {dist.get_backend()} backend of this PyTorch has no ReduceOp.AVG "
-                f"({str(exc).splitlines()[0][:120]}); shown as SUM then / world_size, which is what DDP does")
+                f"({str(exc).splitlines()[0][:120]}); shown as SUM then / world_size (DDP averages gradients "
+                "the same way: divide by the world size, all-reduce with SUM)")
     out.append(record("all_reduce_avg", "all_reduce(AVG)",
                       "dist.all_reduce(x, op=dist.ReduceOp.AVG)" if native else
                       "dist.all_reduce(x, op=dist.ReduceOp.SUM); x /= world_size",
