@@ -106,6 +106,7 @@ def sweep(rows: Sequence[Mapping[str, Any]], *, model_bytes: int | None = None, 
     lo = [r["median_ms"] - r["min_ms"] for r in rows]
     hi = [r["max_ms"] - r["median_ms"] for r in rows]
     ax.errorbar(caps, med, yerr=[lo, hi], marker="o", capsize=3, lw=1.6)
+    ax.set_ylim(0, 1.15 * max(r["max_ms"] for r in rows))  # from zero: differences at their true size
     for r in rows:
         ax.annotate(f"{r['allreduces_per_step']}", (r["bucket_cap_mb"], r["median_ms"]), textcoords="offset points",
                     xytext=(0, 8), ha="center", fontsize=8)

@@ -222,12 +222,25 @@ def read_trace(path: str | Path, step_name: str = "step") -> dict[str, Any]:
             "launch": sorted(launch, key=lambda s: s["start"])}
 
 
+def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    merged: list[list[float]] = []
+    for a, b in sorted(spans):
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    return [(a, b) for a, b in merged]
+
+
 def overlap_stats(trace: dict[str, Any]) -> dict[str, float]:
-    """Per step: all-reduce time, how much of it ran while backward was still computing, and the rest.
+    """Per step (averaged over the trace's steps), in ms: how long at least one all-reduce was in
+    flight, how much of that fell while backward was still computing, and how much came after.
 
     Backward *compute* ends with the last autograd function of the step; all-reduce time after that
-    point is exposed: the step waits for it. ``launched_during_backward`` counts the all-reduces that
-    started before backward's last function did (0 when there is no overlap).
+    point is exposed: the step waits for it. Several all-reduces can be in flight at once (the
+    backend has more than one thread), so times are of the union of their spans, not the sum.
+    ``launched_during_backward`` counts the all-reduces that started before backward's last
+    function did (0 when there is no overlap).
     """
     out = []
     for step in trace["steps"]:
@@ -237,14 +250,15 @@ def overlap_stats(trace: dict[str, Any]) -> dict[str, float]:
             continue
         bwd_start = min(c["start"] for c in inside)
         bwd_end = max(c["end"] for c in inside)
-        total = sum(c["end"] - c["start"] for c in comm)
-        hidden = sum(max(0.0, min(c["end"], bwd_end) - max(c["start"], bwd_start)) for c in comm)
-        comm_end = max((c["end"] for c in comm), default=bwd_end)
+        busy = _union([(c["start"], c["end"]) for c in comm])
+        in_flight = sum(b - a for a, b in busy)
+        hidden = sum(max(0.0, min(b, bwd_end) - max(a, bwd_start)) for a, b in busy)
+        exposed = sum(max(0.0, b - max(a, bwd_end)) for a, b in busy)
         last_fn_start = max(c["start"] for c in inside)
         out.append({"launched_during_backward": sum(c["start"] < last_fn_start for c in comm),
                     "step_ms": step["end"] - step["start"], "backward_compute_ms": bwd_end - bwd_start,
-                    "allreduce_ms": total, "allreduce_hidden_ms": hidden,
-                    "exposed_after_backward_ms": max(0.0, comm_end - bwd_end), "n_allreduce": len(comm)})
+                    "allreduce_in_flight_ms": in_flight, "allreduce_during_backward_ms": hidden,
+                    "allreduce_after_backward_ms": exposed, "n_allreduce": len(comm)})
     if not out:
         raise ValueError("no step of the trace holds backward functions")
     return {k: sum(o[k] for o in out) / len(out) for k in out[0]}

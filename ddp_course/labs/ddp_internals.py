@@ -27,6 +27,7 @@ Rank 0 writes ``internals.json`` into ``--out_dir``. Options are ``--key=value``
 
 from __future__ import annotations
 
+import contextlib
 import re
 import sys
 import time
@@ -446,16 +447,17 @@ def part_join(opts, info: DistInfo, data) -> dict[str, Any]:
     n_mine = opts["join_batches"] + 2 * info.rank
     lr = 0.1
 
+    progress = [0]  # steps completed, readable after an exception
+
     def run(ddp, opt, use_join: bool) -> int:
-        done = 0
-        ctx = ddp.join() if use_join else _nullctx()
-        with ctx:
+        progress[0] = 0
+        with ddp.join() if use_join else contextlib.nullcontext():
             for step in range(n_mine):
                 ddp(_rank_batch(seed, info.rank, step), use_branch=True).pow(2).mean().backward()
                 opt.step()
                 opt.zero_grad(set_to_none=True)
-                done += 1
-        return done
+                progress[0] += 1
+        return progress[0]
 
     out: dict[str, Any] = {"batches_per_rank": _gather(n_mine), "pg_timeout_s": opts["pg_timeout_s"]}
 
@@ -469,7 +471,7 @@ def part_join(opts, info: DistInfo, data) -> dict[str, Any]:
         done = run(ddp, opt, use_join=False)
         res = {"error": None, "steps_done": done, "after_s": round(time.perf_counter() - t0, 2)}
     except RuntimeError as exc:
-        res = {"error": _error(exc, t0), "steps_done": None}
+        res = {"error": _error(exc, t0), "steps_done": progress[0]}
     del ddp
     out["without_join"] = _gather(res)
     dist.barrier()
@@ -508,14 +510,6 @@ def part_join(opts, info: DistInfo, data) -> dict[str, Any]:
     log(f"[join] without: {[r['error']['message'][:60] if r['error'] else 'finished' for r in out['without_join']]}; "
         f"with join(): steps {[r['steps_done'] for r in per_rank]}")
     return out
-
-
-class _nullctx:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 PART_FUNCS = {"buckets": part_buckets, "gradhook": part_gradhook, "buffers": part_buffers, "unused": part_unused,

@@ -60,8 +60,9 @@ def int8_hook(process_group: dist.ProcessGroup | None, bucket: dist.GradBucket) 
     """Quantise the bucket to int8 with a per-rank scale, all-gather, decode and average.
 
     Each rank sends ``numel`` int8 codes plus its float32 scale (``max |g|``), packed into one uint8
-    tensor, with one all-gather (``all_gather_single``, formerly ``all_gather_into_tensor``). Every rank then decodes all ranks' codes and takes
-    the mean. An all-reduce cannot be used for the codes: the sum of two int8 values can overflow.
+    tensor, with one all-gather (``all_gather_single``, formerly ``all_gather_into_tensor``). Every
+    rank then decodes all ranks' codes and takes the mean. An all-reduce cannot be used for the
+    codes: the sum of two int8 values can overflow.
     Rounding error per element, per rank: at most ``scale / 254`` (half a quantisation step).
     """
     group = _group(process_group)
