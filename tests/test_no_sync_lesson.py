@@ -213,3 +213,16 @@ def test_grader_names_each_gradient_scale_mistake(index, k, ratio, phrase):
     ranks = [{"cases": [case] * 3}, {"cases": [case] * 3}]
     problem = _grad_problem(case, ranks, ref, index)
     assert (problem is None) if exact else (phrase in problem), problem
+
+
+@pytest.mark.multigpu
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(__import__("torch").cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_bench_on_two_gpus_with_nccl(tmp_path):
+    from ddp_course.benchmarks import no_sync
+
+    res = no_sync.bench(ks="1,4", world_sizes="1,2", device="cuda", rounds=2, steps=2, timeout_s=240, out=tmp_path)
+    assert [j["backend"] for j in res["jobs"]] == ["nccl", "nccl"]
+    for job in res["jobs"]:
+        assert job["counts"]["4/sync"]["bucket_all_reduces"] == 4 * job["n_buckets"]
+        assert all(r["no_sync_s"] > 0 and r["sync_s"] > 0 for r in job["rows"])
