@@ -1,0 +1,150 @@
+"""Exercise 08 -- save and load the training state, so that a crashed job resumes exactly.
+
+This script trains a small MiniGPT with DDP on 2 ranks (dropout on, seeded differently on each
+rank). At step ``--ckpt_step`` it calls ``save_checkpoint``; when it starts and finds a checkpoint,
+it calls ``load_checkpoint`` and continues from the step that returns. The data position and the
+learning rate follow from that step. Complete the two functions so that a job killed after the
+checkpoint and restarted by torchrun ends with exactly the parameters of a job that never crashed.
+
+Run it from the repository root, with a crash on purpose after step 9 and one restart:
+
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --nproc_per_node=2 --max-restarts=1 \\
+        lessons/exercises/08_save_load.py --out_dir=runs/ex08 --fail_at_step=9
+
+(the variable works around a torch 2.x bug on restarts, see lesson 08). Attempt 0 saves at step 6
+and rank 1 kills itself (SIGKILL) after step 9; torchrun restarts both ranks; attempt 1 loads the
+checkpoint and finishes. The grader compares that with an uninterrupted run, bit for bit:
+
+    python -m ddp_course check 08 lessons/exercises/08_save_load.py
+
+Every rank prints one line ``RESULT {json}`` at the end (what the grader reads).
+"""
+
+import hashlib
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from ddp_course.data import prepare, stream_batches
+from ddp_course.dist import DistInfo, log, setup
+from ddp_course.labs._flags import FlagError, parse_flags
+from ddp_course.model import GPTConfig, MiniGPT
+
+DEFAULTS = {"out_dir": "runs/ex08", "max_steps": 12, "ckpt_step": 6, "fail_at_step": -1, "save": True}
+
+
+def save_checkpoint(path: Path, step: int, model: DDP, optimizer: torch.optim.Optimizer, info: DistInfo) -> None:
+    """Save everything the remaining steps depend on into ``path``. Every rank calls this.
+
+    Rank 0 writes the file -- atomically, so that a crash in the middle of the save leaves no
+    half-written ``path`` -- and every rank must be past the save before any continues.
+    """
+    # BEGIN SOLUTION hint: the RNG states differ per rank: gather every rank's torch.get_rng_state() to rank 0 with dist.gather_object (ALL ranks call it); rank 0 torch.save()s a dict with the step, model.module.state_dict(), optimizer.state_dict() and the RNG list to a temporary name and os.replace()s it onto path; then every rank calls dist.barrier()
+    rng = [None] * info.world_size if info.rank == 0 else None
+    dist.gather_object(torch.get_rng_state(), rng, dst=0)  # a collective: every rank, not only rank 0
+    if info.rank == 0:
+        state = {"step": step, "model": model.module.state_dict(), "optimizer": optimizer.state_dict(), "rng": rng}
+        tmp = path.with_name(path.name + ".tmp")
+        torch.save(state, tmp)
+        os.replace(tmp, path)  # atomic: path is the old file or the new one, never half of one
+    dist.barrier()
+    # END SOLUTION
+
+
+def load_checkpoint(path: Path, model: DDP, optimizer: torch.optim.Optimizer, info: DistInfo) -> int:
+    """Restore what ``save_checkpoint`` saved, on every rank; return the step to continue from."""
+    # BEGIN SOLUTION hint: state = torch.load(path, map_location="cpu", weights_only=True); load the model (model.module) and optimizer state dicts; torch.set_rng_state(this rank's entry); return the step
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    model.module.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    torch.set_rng_state(state["rng"][info.rank])
+    return int(state["step"])
+    # END SOLUTION
+
+
+# --- the harness: nothing to change below ------------------------------------------------------------
+
+def digest(*objs) -> str:
+    """A short hash of tensors (nested in dicts and lists), equal only if every bit is."""
+    h = hashlib.sha256()
+
+    def feed(o) -> None:
+        if isinstance(o, torch.Tensor):
+            h.update(o.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        elif isinstance(o, dict):
+            for k in sorted(o, key=str):
+                h.update(str(k).encode())
+                feed(o[k])
+        elif isinstance(o, (list, tuple)):
+            for v in o:
+                feed(v)
+        else:
+            h.update(repr(o).encode())
+
+    for o in objs:
+        feed(o)
+    return h.hexdigest()[:16]
+
+
+def probe(model: DDP, optimizer: torch.optim.Optimizer) -> dict:
+    """Fingerprints of the state the remaining steps depend on."""
+    return {"model": digest(model.module.state_dict()), "optimizer": digest(optimizer.state_dict()["state"]),
+            "rng": digest(torch.get_rng_state())}
+
+
+def lr_at(step: int, max_steps: int) -> float:
+    return 3e-3 * min(1.0, (step + 1) / 4) * (1.0 - 0.5 * step / max_steps)  # warm-up, then linear decay
+
+
+def main(argv: list[str]) -> None:
+    try:
+        opts = parse_flags(argv, DEFAULTS, "08_save_load.py")
+    except FlagError as exc:
+        raise SystemExit(f"error: {exc}") from None
+    out_dir = Path(opts["out_dir"])
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))  # torchrun counts its restarts
+    with setup(device="cpu", timeout_s=30) as info:
+        data = prepare("tinyshakespeare", block_size=32, val_fraction=0.1, announce=log)
+        torch.manual_seed(0)  # the same initial model on every rank
+        model = DDP(MiniGPT(GPTConfig(vocab_size=data.tokenizer.vocab_size, block_size=32, n_layer=1, n_head=2,
+                                      n_embd=32, dropout=0.1)))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
+        torch.manual_seed(1000 + info.rank)  # dropout masks differ between ranks: so do the RNG states
+        path = out_dir / "checkpoint.pt"
+        start, loaded = 0, None
+        if path.exists():
+            start = load_checkpoint(path, model, optimizer, info)
+            loaded = probe(model, optimizer)
+            log(f"attempt {attempt}: resumed from {path} at step {start}", all_ranks=True)
+        batches = stream_batches(data.train.tokens, 32, 4, info.rank, info.world_size, seed=0, start_batch=start)
+        losses, at_ckpt = {}, None
+        for step in range(start, opts["max_steps"]):
+            x, y = next(batches)
+            for group in optimizer.param_groups:
+                group["lr"] = lr_at(step, opts["max_steps"])
+            _, loss = model(x, y)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            losses[step + 1] = loss.item()
+            if step + 1 == opts["ckpt_step"]:
+                at_ckpt = probe(model, optimizer)
+                if opts["save"]:
+                    out_dir.mkdir(parents=True, exist_ok=True)
+                    save_checkpoint(path, step + 1, model, optimizer, info)
+            if step == opts["fail_at_step"] and attempt == 0 and info.rank == 1:
+                log(f"attempt {attempt}: killing rank 1 after step {step} (SIGKILL)", all_ranks=True)
+                os.kill(os.getpid(), signal.SIGKILL)
+        print("RESULT " + json.dumps({"rank": info.rank, "attempt": attempt, "start": start, "loaded": loaded,
+                                      "at_ckpt": at_ckpt, "losses": losses,
+                                      "final": digest(model.module.state_dict())}), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,359 @@
+"""Checkpoints (lesson 08): a crashed DDP job restarted by torchrun ends bit-identical to one that never
+crashed, in both formats; checkpoints saved by 2 ranks load into 1 and 4; a process killed in the
+middle of a save leaves the previous checkpoint intact; corrupt or mismatched checkpoints give clear
+errors; the position in the data carries over to another world size; exercise 08's grader."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import ROOT, TINY
+
+from ddp_course import checkpoint
+from ddp_course.check import grade
+from ddp_course.checkpoint import CheckpointError
+from ddp_course.config import TrainConfig
+from ddp_course.data import TokenWindows, train_batches
+from ddp_course.dist import DistInfo
+from ddp_course.graders import g08
+from ddp_course.launch import run
+from ddp_course.metrics import read_jsonl
+from ddp_course.model import GPTConfig, MiniGPT
+from ddp_course.train import build_optimizer
+
+# dropout > 0: the resumed run must also restore every rank's generator, or the masks differ
+BASE = {**TINY, "strategy": "ddp", "max_steps": 20, "lr": 3e-3, "ckpt_interval": 10, "dropout": 0.1, "threads": 1}
+FAIL_AT = 13  # after the step-10 checkpoint, and after the step-10 metrics row: steps 11-13 are redone
+# torch 2.13: restarted workers would read the first attempt's gloo addresses from torchrun's shared store
+RESTART_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+SHAPE = {"vocab_size": 65, "block_size": 16, "n_layer": 1, "n_head": 2, "n_embd": 32}
+ONE = DistInfo()  # one process, no process group
+
+
+def _final(out_dir: Path) -> dict[str, torch.Tensor]:
+    return torch.load(out_dir / checkpoint.FINAL, weights_only=True)["model"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    """An uninterrupted 2-rank DDP run, and the same run crashed on rank 1 and restarted by torchrun, per format."""
+    root = tmp_path_factory.mktemp("ckpt")
+    out = {"reference": run("ddp_course.train", nproc=2, out_dir=root / "reference", timeout=150, progress=False,
+                            echo="none", **BASE)}
+    for fmt in checkpoint.FORMATS:
+        out[fmt] = run("ddp_course.train", nproc=2, out_dir=root / fmt, timeout=200, progress=False, echo="none",
+                       torchrun_args=["--max-restarts=1"], env=RESTART_ENV, resume=True, fail_at_step=FAIL_AT,
+                       fail_rank=1, ckpt_format=fmt, **BASE)
+    return out
+
+
+# --- exact resume after a crash, torchrun restarting the job ---------------------------------------------
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("fmt", checkpoint.FORMATS)
+def test_restarted_job_equals_the_uninterrupted_one(runs, fmt):
+    ref, r = runs["reference"], runs[fmt]
+    # it really crashed once and resumed from the step-10 checkpoint on torchrun's second attempt
+    assert "injected failure on rank 1 at step 13" in r.output
+    assert f"resumed from {checkpoint.checkpoint_path(r.out_dir, 10, fmt)} at step 10" in r.output
+    assert list(r.out_dir.glob("torchrun_logs/*/*/attempt_1"))
+    assert r.summary["steps_run"] == BASE["max_steps"] - 10
+    # CPU runs are deterministic, and the checkpoint holds everything the remaining steps depend on
+    # (weights, AdamW moments and step counts, every rank's RNG for dropout, the data position), so the
+    # redone steps must equal the uninterrupted run's to the last bit: no tolerance.
+    rows = [(x["step"], x["loss"], x["lr"], x["grad_norm"]) for x in r.train_rows]
+    assert rows == [(x["step"], x["loss"], x["lr"], x["grad_norm"]) for x in ref.train_rows]  # none twice
+    assert r.summary["final_val_loss"] == ref.summary["final_val_loss"]
+    final, ref_final = _final(r.out_dir), _final(ref.out_dir)
+    assert final.keys() == ref_final.keys()
+    assert all(torch.equal(final[k], ref_final[k]) for k in ref_final)
+
+
+def test_sharded_checkpoint_has_a_part_from_every_rank(runs):
+    d = checkpoint.checkpoint_path(runs["sharded"].out_dir, 10, "sharded")
+    names = {p.name for p in d.iterdir()}
+    assert {".metadata", checkpoint.META, "__0_0.distcp", "__1_0.distcp"} <= names
+    assert all((d / f"__{r}_0.distcp").stat().st_size > 0 for r in (0, 1))  # both ranks wrote tensors
+    meta = checkpoint.load(d)
+    assert meta["world_size"] == 2 and meta["step"] == 10 and len(meta["rng"]) == 2
+    assert meta["position"] == {"samples": 10 * 2 * TINY["micro_batch_size"], "micro_batches": 10,
+                                "epoch": 0, "batch_in_epoch": 10}
+    assert checkpoint.latest(runs["sharded"].out_dir).name == "step_0000020"
+    assert not list(d.parent.glob("*.tmp"))
+
+
+# --- another world size: saved by 2 ranks, loaded by 1 and by 4 ---------------------------------------------
+
+def _fresh(shape: dict, seed: int = 1):
+    torch.manual_seed(seed)
+    model = MiniGPT(GPTConfig(**shape))
+    return model, build_optimizer(model, TrainConfig(), torch.device("cpu"))
+
+
+def _load_one_process(path: Path):
+    shape = checkpoint.load(path)["shape"]
+    model, opt = _fresh(shape)
+    meta = checkpoint.resume(path, model, opt, None, ONE, shape)
+    return model, opt, meta
+
+
+@pytest.mark.timeout(400)
+def test_two_rank_checkpoints_load_into_one_process(runs):
+    full = checkpoint.checkpoint_path(runs["reference"].out_dir, 10, "full")
+    sharded = checkpoint.checkpoint_path(runs["sharded"].out_dir, 10, "sharded")
+    saved = torch.load(full, weights_only=True)
+    model, opt, meta = _load_one_process(full)
+    assert meta["step"] == 10 and meta["world_size"] == 2
+    # the truth is the file itself: every tensor, by name, bit for bit
+    for name, t in model.state_dict().items():
+        assert torch.equal(t, saved["model"][name]), name
+    name_of = {id(p): n for n, p in model.named_parameters()}
+    names = [name_of[id(p)] for group in opt.param_groups for p in group["params"]]  # the optimizer's order
+    for i, st in opt.state_dict()["state"].items():
+        for key, t in st.items():
+            assert torch.equal(t, saved["optimizer"]["state"][names[i]][key]), (names[i], key)
+    assert torch.equal(torch.get_rng_state(), saved["rng"][0]["torch"])  # rank 0's generator
+    # the sharded run reached step 10 along the same path: its checkpoint holds the same state
+    model_s, opt_s, _ = _load_one_process(sharded)
+    assert checkpoint.fingerprint(model_s, opt_s) == checkpoint.fingerprint(model, opt)
+
+
+@pytest.mark.timeout(400)
+def test_two_rank_checkpoints_load_into_four_ranks(runs, tmp_path):
+    full = checkpoint.checkpoint_path(runs["reference"].out_dir, 10, "full")
+    sharded = checkpoint.checkpoint_path(runs["sharded"].out_dir, 10, "sharded")
+    want = checkpoint.fingerprint(*_load_one_process(full)[:2])
+    run("ddp_course.labs.ckpt_reshard", nproc=4, out_dir=tmp_path, timeout=200, progress=False, echo="none",
+        ckpts=f"{full},{sharded}")
+    for rank in range(4):
+        report = json.loads((tmp_path / f"reshard_rank{rank}.json").read_text())
+        assert report["world_size"] == 4
+        for row, fmt in zip(report["checkpoints"], ("full", "sharded")):
+            assert row["format"] == fmt and row["saved_world_size"] == 2 and row["step"] == 10
+            assert row["fingerprint"] == want, (rank, fmt)
+            assert row["rng_from_rank"] == (rank if rank < 2 else 0)
+            # same global batch (8) on 4 ranks: micro-batches of 2, continuing at the 11th
+            assert row["same_global_batch"] == {"global_batch": 8, "micro_batch_size": 2, "start_batch": 10}
+
+
+@pytest.mark.parametrize(("saved_world", "saved_micro", "world", "micro"), [(2, 4, 4, 2), (2, 4, 1, 8), (4, 2, 2, 4)])
+def test_data_position_carries_over_to_another_world_size(saved_world, saved_micro, world, micro):
+    # With the same global batch, the resumed job's next global batch is exactly the samples the saving
+    # job would have used next: every world size walks the same shuffled order of the epoch.
+    ds = TokenWindows(torch.arange(2000), block_size=8)
+    steps = 7
+    meta = {"step": steps, "position": checkpoint.data_position(steps, micro_batch_size=saved_micro, grad_accum_steps=1,
+                                                                 world_size=saved_world)}
+    start = checkpoint.start_batch(meta, micro_batch_size=micro, world_size=world)
+
+    def next_global_batch(w: int, m: int, skip: int) -> set[int]:
+        return {int(x[i, 0]) for r in range(w) for x, _ in [next(train_batches(ds, m, r, w, seed=3, start_batch=skip))]
+                for i in range(m)}
+
+    assert next_global_batch(world, micro, start) == next_global_batch(saved_world, saved_micro, steps)
+
+
+# --- SIGKILL in the middle of a save ----------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def killed(tmp_path_factory) -> dict[str, tuple[Path, int]]:
+    """The kill lab, once per format, as two plain processes started together."""
+    root = tmp_path_factory.mktemp("kill")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env.update(OMP_NUM_THREADS="1")
+    procs = {fmt: subprocess.Popen([sys.executable, "-m", "ddp_course.labs.ckpt_kill", f"--format={fmt}",
+                                    f"--out_dir={root / fmt}"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                   stderr=subprocess.STDOUT, text=True)
+             for fmt in checkpoint.FORMATS}
+    out = {}
+    for fmt, p in procs.items():
+        try:
+            p.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            pytest.fail(f"ckpt_kill --format={fmt} did not finish in 120 s")
+        out[fmt] = (root / fmt, p.returncode)
+    return out
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("fmt", checkpoint.FORMATS)
+def test_sigkill_during_a_save_leaves_the_previous_checkpoint(killed, fmt):
+    out_dir, returncode = killed[fmt]
+    assert returncode == -9  # killed by SIGKILL, as planned
+    report = json.loads((out_dir / "ckpt_kill.json").read_text())
+    half = Path(report["killing"])
+    assert half.exists()  # the save really was under way: its temporary name is on disk
+    assert checkpoint.latest(out_dir) == checkpoint.checkpoint_path(out_dir, 1, fmt)
+    assert [p.name for p in checkpoint.list_checkpoints(out_dir)] == [checkpoint.checkpoint_path(out_dir, 1, fmt).name]
+    model, opt = _fresh(checkpoint.load(checkpoint.latest(out_dir))["shape"])
+    meta = checkpoint.resume(checkpoint.latest(out_dir), model, opt, None, ONE)
+    assert meta["step"] == 1 and checkpoint.fingerprint(model, opt) == report["fingerprint"]
+    # the next save clears the leftover and commits normally
+    checkpoint.save(out_dir, 3, model, opt, None, ONE, meta["shape"], fmt=fmt)
+    assert not half.exists() and checkpoint.latest(out_dir).name == checkpoint.checkpoint_path(out_dir, 3, fmt).name
+
+
+# --- the checkpoint files: pointer, keep_last, round trip, errors ------------------------------------------
+
+def _trained(seed: int = 0, shape: dict = SHAPE):
+    model, opt = _fresh(shape, seed)
+    x = torch.randint(0, shape["vocab_size"], (2, shape["block_size"]), generator=torch.Generator().manual_seed(seed))
+    _, loss = model(x, x)
+    loss.backward()
+    opt.step()
+    return model, opt
+
+
+@pytest.mark.parametrize("fmt", checkpoint.FORMATS)
+def test_round_trip_restores_everything(tmp_path, fmt, one_thread):
+    model, opt = _trained()
+    scaler = torch.amp.GradScaler("cpu", init_scale=512.0, growth_interval=7)
+    scaler._scale, scaler._growth_tracker = torch.tensor(256.0), torch.tensor(3, dtype=torch.int32)
+    random.seed(11)
+    torch.manual_seed(12)
+    pos = checkpoint.data_position(5, micro_batch_size=4, grad_accum_steps=2, world_size=1, batches_per_epoch=3)
+    checkpoint.save(tmp_path, 5, model, opt, scaler, ONE, SHAPE, fmt=fmt, position=pos)
+    want = checkpoint.fingerprint(model, opt), random.random(), torch.rand(3)
+
+    model2, opt2 = _fresh(SHAPE, seed=99)
+    scaler2 = torch.amp.GradScaler("cpu")
+    assert checkpoint.fingerprint(model2, opt2) != want[0]
+    meta = checkpoint.resume(checkpoint.latest(tmp_path), model2, opt2, scaler2, ONE, SHAPE)
+    assert (checkpoint.fingerprint(model2, opt2), random.random()) == want[:2]
+    assert torch.equal(torch.rand(3), want[2])
+    assert scaler2.state_dict() == scaler.state_dict() and scaler2.get_scale() == 256.0
+    assert meta["step"] == 5 and meta["position"] == {"samples": 40, "micro_batches": 10, "epoch": 3,
+                                                      "batch_in_epoch": 1}
+    assert checkpoint.start_batch(meta, micro_batch_size=4, world_size=1) == 10
+    assert model2.head.weight is model2.tok_emb.weight  # loading keeps the tied weights tied
+
+
+@pytest.mark.parametrize("fmt", checkpoint.FORMATS)
+def test_pointer_keep_last_and_leftovers(tmp_path, fmt, one_thread):
+    model, opt = _trained()
+    assert checkpoint.latest(tmp_path) is None
+    d = checkpoint.ckpt_dir(tmp_path)
+    for step in (1, 2, 3):
+        checkpoint.save(tmp_path, step, model, opt, None, ONE, SHAPE, keep_last=2, fmt=fmt)
+    assert [p.name for p in checkpoint.list_checkpoints(tmp_path)] == [
+        checkpoint.checkpoint_path(tmp_path, s, fmt).name for s in (2, 3)]
+    assert checkpoint.latest(tmp_path) == checkpoint.checkpoint_path(tmp_path, 3, fmt)
+    (d / "step_0000009.pt.tmp").write_bytes(b"half a file")  # what a killed save leaves behind
+    checkpoint.save(tmp_path, 4, model, opt, None, ONE, SHAPE, keep_last=2, fmt=fmt)
+    assert not (d / "step_0000009.pt.tmp").exists()
+    assert sorted(p.name for p in d.iterdir()) == sorted(
+        [checkpoint.POINTER] + [checkpoint.checkpoint_path(tmp_path, s, fmt).name for s in (3, 4)])
+    (d / checkpoint.POINTER).write_text("step_0000007.pt\n")
+    with pytest.raises(CheckpointError, match="names step_0000007.pt, which does not exist"):
+        checkpoint.latest(tmp_path)
+
+
+def _error(fn) -> str:
+    with pytest.raises(CheckpointError) as exc:
+        fn()
+    msg = str(exc.value)
+    assert "Traceback" not in msg and "\n" not in msg  # one paragraph, not a pickle traceback
+    return msg
+
+
+@pytest.mark.parametrize("fmt", checkpoint.FORMATS)
+def test_other_model_shape_is_named(tmp_path, fmt, one_thread):
+    model, opt = _trained()
+    path = checkpoint.save(tmp_path, 1, model, opt, None, ONE, SHAPE, fmt=fmt)
+    other = {**SHAPE, "n_embd": 64}
+    model2, opt2 = _fresh(other)
+    msg = _error(lambda: checkpoint.resume(path, model2, opt2, None, ONE, other))
+    assert str(path) in msg and "n_embd: checkpoint 32 vs this run 64" in msg
+
+
+def test_truncated_or_foreign_full_file_is_refused(tmp_path, one_thread):
+    model, opt = _trained()
+    path = checkpoint.save(tmp_path, 1, model, opt, None, ONE, SHAPE)
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 3])
+    msg = _error(lambda: checkpoint.load(path))
+    assert str(path) in msg and "truncated or corrupt" in msg
+    import datetime
+
+    foreign = tmp_path / "foreign.pt"
+    torch.save({"step": 1, "when": datetime.datetime(2020, 1, 1)}, foreign)  # not a tensor or plain value
+    msg = _error(lambda: checkpoint.load(foreign))
+    assert str(foreign) in msg and "weights_only=True" in msg and "datetime" in msg
+
+
+def test_damaged_sharded_checkpoint_is_named(tmp_path, one_thread):
+    model, opt = _trained()
+    path = checkpoint.save(tmp_path, 1, model, opt, None, ONE, SHAPE, fmt="sharded")
+    part = path / "__0_0.distcp"
+    data = part.read_bytes()
+
+    def attempt() -> str:
+        model2, opt2 = _fresh(SHAPE)
+        return _error(lambda: checkpoint.resume(path, model2, opt2, None, ONE, SHAPE))
+
+    part.write_bytes(data[:1000])
+    msg = attempt()
+    assert str(path) in msg and "__0_0.distcp has 1000 bytes but the index expects at least" in msg
+    part.unlink()
+    assert "its part __0_0.distcp is missing" in attempt()
+    part.write_bytes(data)
+    index = (path / ".metadata").read_bytes()
+    (path / ".metadata").write_bytes(index[: len(index) // 2])
+    assert "index .metadata is truncated, corrupt or not DCP's" in attempt()
+    # a pickle that would run code when loaded is refused, not executed
+    (path / ".metadata").write_bytes(pickle.dumps(os.getcwd))
+    assert "posix.getcwd is not part of a DCP index" in attempt()
+    (path / ".metadata").write_bytes(index)
+    (path / checkpoint.META).unlink()
+    assert "meta.pt is missing" in attempt()
+
+
+def test_metrics_rows_after_the_checkpoint_are_dropped(tmp_path):
+    rows = [{"step": s, "loss": 1.0 / s} for s in (5, 10, 15)] + [{"step": 10, "val_loss": 2.0}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 1')
+    assert checkpoint.drop_metrics_after(tmp_path, 10) == 2  # the row of step 15 and the torn last line
+    assert read_jsonl(tmp_path / "metrics.jsonl") == [rows[0], rows[1], rows[3]]
+
+
+# --- exercise 08 -------------------------------------------------------------------------------------------
+
+def _ref_results() -> list[dict]:
+    return [{"rank": r, "attempt": 0, "start": 0, "loaded": None, "final": "f",
+             "at_ckpt": {"model": "m", "optimizer": "o", "rng": f"rng{r}"},
+             "losses": {str(s): float(s) for s in range(1, g08.MAX_STEPS + 1)}} for r in range(2)]
+
+
+def _resumed(loaded: dict[int, dict] | None = None) -> list[dict]:
+    out = []
+    for r in range(2):
+        row = {**_ref_results()[r], "attempt": 1, "start": g08.CKPT_STEP}
+        row["loaded"] = {"model": "m", "optimizer": "o", "rng": f"rng{r}", **(loaded or {}).get(r, {})}
+        row["losses"] = {k: v for k, v in row["losses"].items() if int(k) > g08.CKPT_STEP}
+        out.append(row)
+    return out
+
+
+def test_grader_diagnoses_each_missing_part():
+    assert g08.diagnose(_resumed(), _ref_results()).ok
+    v = g08.diagnose(_resumed({1: {"rng": "rng0"}}), _ref_results())
+    assert not v.ok and "got rank 0's RNG state" in v.message
+    v = g08.diagnose(_resumed({0: {"optimizer": "x"}, 1: {"optimizer": "x"}}), _ref_results())
+    assert not v.ok and "optimizer" in v.message and "[0, 1]" in v.message
+    fresh = [{**r, "start": 0} for r in _resumed()]
+    v = g08.diagnose(fresh, _ref_results())
+    assert not v.ok and "started again from step 0" in v.message
+
+
+@pytest.mark.timeout(300)
+def test_learner_copy_is_not_yet_done():
+    v = grade("08", ROOT / "lessons" / "exercises" / "08_save_load.py", timeout=150)
+    assert not v.ok and "TODO" in v.message
