@@ -83,7 +83,7 @@ def parse_options(argv: list[str]) -> dict[str, Any]:
     from ddp_course.labs.no_sync_lab import parse_args
 
     try:
-        opts = parse_args(argv, DEFAULTS, HELP, prog="python -m ddp_course.benchmarks.no_sync")
+        opts = parse_args(argv, DEFAULTS, HELP, prog="python -m ddp_course.bench no_sync", doc=__doc__)
     except SystemExit as exc:
         if str(exc.code).startswith("error: "):
             raise BenchError(str(exc.code)[len("error: "):]) from None

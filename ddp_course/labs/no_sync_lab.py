@@ -232,15 +232,17 @@ def accumulate(ddp, batches: Sequence[tuple[torch.Tensor, torch.Tensor]], varian
 # --------------------------------------------------------------------------------------------------
 
 def parse_args(argv: list[str], defaults: dict[str, Any] = DEFAULTS, helps: dict[str, str] = HELP,
-               prog: str = "torchrun --standalone --nproc_per_node=2 -m ddp_course.labs.no_sync_lab"
-               ) -> dict[str, Any]:
+               prog: str = "torchrun --standalone --nproc_per_node=2 -m ddp_course.labs.no_sync_lab",
+               doc: str | None = None) -> dict[str, Any]:
     """``--key=value`` over ``defaults``, each converted to its default's type; unknown keys refused."""
     values = dict(defaults)
     for arg in argv:
         if arg in ("-h", "--help"):
-            lines = [f"usage: {prog} [--key=value ...]", "", "options:"]
-            lines += [f"  --{k}={v!s:<18} {helps.get(k, '')}" for k, v in defaults.items()]
-            raise SystemExit("\n".join(lines))
+            text = (__doc__ if doc is None else doc).strip()
+            lines = [f"usage: {prog} [--key=value ...]", "", text, "", "options:"]
+            lines += [f"  {'--' + k + '=' + str(v):<28} {helps.get(k, '')}" for k, v in defaults.items()]
+            print("\n".join(lines))
+            raise SystemExit(0)
         if not arg.startswith("--") or "=" not in arg:
             raise SystemExit(f"error: unexpected argument {arg!r}: options are written --key=value "
                              f"(--help lists them).")
