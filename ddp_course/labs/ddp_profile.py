@@ -3,7 +3,9 @@
     torchrun --standalone --nproc_per_node=2 -m ddp_course.labs.ddp_profile --out_dir=runs/ddp_profile
     torchrun --standalone --nproc_per_node=2 -m ddp_course.labs.ddp_profile --mode=sweep --bucket_caps=0.05,0.25,1,25
 
-``--mode=profile`` (default) trains MiniGPT (forward, backward, SGD step) three ways:
+Every rank runs on the CPU with gloo (one thread each by default, ``--threads``): the point is the
+shape of the timeline, which a CPU shows as well as a GPU. ``--mode=profile`` (default) trains
+MiniGPT (forward, backward, SGD step) three ways:
 
 - ``overlap``: DDP with ``--bucket_cap_mb`` buckets -- each bucket is all-reduced as soon as its
   gradients are ready, while backward goes on computing the rest;
