@@ -4,7 +4,7 @@
     torchrun --standalone --nproc_per_node=2 -m ddp_course.labs.ddp_profile --mode=sweep --bucket_caps=0.05,0.25,1,25
 
 Every rank runs on the CPU with gloo (one thread each by default, ``--threads``): the point is the
-shape of the timeline, which a CPU shows as well as a GPU. ``--mode=profile`` (default) trains
+order of events on the timeline, which a CPU shows too. ``--mode=profile`` (default) trains
 MiniGPT (forward, backward, SGD step) three ways:
 
 - ``overlap``: DDP with ``--bucket_cap_mb`` buckets -- each bucket is all-reduced as soon as its
