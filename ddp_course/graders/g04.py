@@ -30,23 +30,25 @@ PARAM_ATOL = 1e-4
 def _reference(cfg: dict, timeout: float) -> dict[str, torch.Tensor]:
     """One process on the concatenated batch: the recipe lab with micro_batch_size x NPROC.
 
-    The result depends only on the settings, the recipe's code and the torch version, so it is kept in
-    the course's cache (``~/.cache/ddp_course/g04``) under a hash of the three: grading again, or
-    grading a broken copy with the same settings, does not train the reference again.
+    The result depends only on the settings, the corpus, the recipe's code and the torch version, so it
+    is kept in the course's cache (``~/.cache/ddp_course/g04``) under a hash of the four: grading
+    again, or grading a broken copy with the same settings, does not train the reference again.
     """
     import hashlib
     import json
     import os
 
-    from ddp_course.data import cache_dir
+    from ddp_course.data import cache_dir, load_corpus
     from ddp_course.labs import ddp_recipe
     from ddp_course.launch import run
 
     flags = {k: cfg[k] for k in ("steps", "lr", "seed", "train_windows", "val_windows", "block_size", "n_layer",
                                  "n_head", "n_embd")}
     flags["micro_batch_size"] = cfg["micro_batch_size"] * NPROC
-    key = hashlib.sha256(json.dumps([flags, torch.__version__, Path(ddp_recipe.__file__).read_text()],
-                                    sort_keys=True).encode()).hexdigest()[:16]
+    corpus = load_corpus("tinyshakespeare", announce=lambda msg: None).text  # what the runs will read
+    key = hashlib.sha256(json.dumps([flags, torch.__version__, Path(ddp_recipe.__file__).read_text(),
+                                     hashlib.sha256(corpus.encode()).hexdigest()], sort_keys=True).encode())
+    key = key.hexdigest()[:16]
     cached = cache_dir() / "g04" / f"reference-{key}.pt"
     if not cached.is_file():
         with tempfile.TemporaryDirectory(prefix="g04_ref_") as tmp:
