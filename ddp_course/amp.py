@@ -390,10 +390,11 @@ def check_amp_step(fn: Callable[..., Any], *, device: torch.device | None = None
             return Verdict(False, "amp_step is not written yet (it raises NotImplementedError).")
         except Exception as exc:  # the learner's bug, reported in one line, with what usually causes it
             text = str(exc)
-            hint = ("" if "scale" not in text and "step()" not in text else
-                    " -- the loss must go through scaler.scale(loss).backward()" if "_scale is None" in text else
+            hint = (" -- the loss must go through scaler.scale(loss).backward()" if "_scale is None" in text else
                     " -- call scaler.update() at the end of every step (it resets the scaler for the next one)"
-                    if "after step()" in text or "already been called" in text else "")
+                    if "after step()" in text or "already been called" in text else
+                    " -- step with scaler.step(optimizer): it checks the gradients for inf/nan (and skips the step "
+                    "if it finds any), and update() needs that check" if "No inf checks" in text else "")
             return Verdict(False, f"step {step}: amp_step raised {type(exc).__name__}: {text.splitlines()[0]}{hint}")
         if my_now["dtype"] != torch.float16:
             return Verdict(False, f"step {step}: the output layer ran in {my_now['dtype']}, not float16: run the "

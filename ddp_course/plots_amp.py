@@ -26,12 +26,12 @@ def dtype_ranges(rows: list[dict[str, Any]], *, marks: dict[str, float] | None =
         ax.text(hi + 1, i, f"max {r['max']:.3g}", va="center", fontsize=8)
     for j, (label, value) in enumerate((marks or {}).items()):
         ax.axvline(math.log10(value), color="k", ls=":", lw=1)
-        ax.text(math.log10(value), len(rows) - 0.45 + 0.25 * (j % 2), label, fontsize=8, ha="center")
+        ax.text(math.log10(value), len(rows) - 0.5 + 0.4 * (j % 2), label, fontsize=8, ha="center")
     ax.set_yticks(range(len(rows)), [f"{r['precision']} ({r['exponent_bits']}e/{r['mantissa_bits']}m bits)"
                                      for r in rows])
     ax.set_xlabel("log10 of the magnitude (light: subnormal, dark: normal numbers)")
     ax.set_xlim(right=max(math.log10(r["max"]) for r in rows) + 12)
-    ax.set_ylim(-0.6, len(rows) + 0.2)
+    ax.set_ylim(-0.6, len(rows) + 0.3)
     ax.grid(axis="x", alpha=0.3)
     ax.set_title("the range each format can hold")
     if fig is not None:

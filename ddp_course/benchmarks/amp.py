@@ -146,6 +146,19 @@ def cpu_flags() -> dict[str, bool] | None:
     return None
 
 
+def cpu_model() -> str:
+    """The CPU's model name (Linux /proc/cpuinfo), else what the platform module knows."""
+    import platform
+
+    try:
+        for line in Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace").splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def hardware(device) -> dict[str, Any]:
     info: dict[str, Any] = {"device": str(device), "device_type": device.type}
     if device.type == "cuda":
@@ -153,9 +166,7 @@ def hardware(device) -> dict[str, Any]:
         info |= {"name": torch.cuda.get_device_name(device), "capability": f"{cap[0]}.{cap[1]}",
                  "bf16_supported": torch.cuda.is_bf16_supported(), "tf32_capable": cap >= (8, 0)}
     else:
-        import platform
-
-        info |= {"name": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
+        info |= {"name": cpu_model(), "threads": torch.get_num_threads(),
                  "cpu_capability": torch.backends.cpu.get_cpu_capability(), "cpu_flags": cpu_flags()}
     return info
 
