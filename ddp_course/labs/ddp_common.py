@@ -239,8 +239,9 @@ def overlap_stats(trace: dict[str, Any]) -> dict[str, float]:
     Backward *compute* ends with the last autograd function of the step; all-reduce time after that
     point is exposed: the step waits for it. Several all-reduces can be in flight at once (the
     backend has more than one thread), so times are of the union of their spans, not the sum.
-    ``launched_during_backward`` counts the all-reduces that started before backward's last
-    function did (0 when there is no overlap).
+    ``launched_during_backward`` counts the all-reduces the main thread handed to the backend before
+    backward's last function started (0 when there is no overlap); it uses the launch, not the
+    backend's start, which a busy machine can delay.
     """
     out = []
     for step in trace["steps"]:
@@ -255,7 +256,8 @@ def overlap_stats(trace: dict[str, Any]) -> dict[str, float]:
         hidden = sum(max(0.0, min(b, bwd_end) - max(a, bwd_start)) for a, b in busy)
         exposed = sum(max(0.0, b - max(a, bwd_end)) for a, b in busy)
         last_fn_start = max(c["start"] for c in inside)
-        out.append({"launched_during_backward": sum(c["start"] < last_fn_start for c in comm),
+        launches = [c for c in trace["launch"] if step["start"] <= c["start"] < step["end"]]
+        out.append({"launched_during_backward": sum(c["start"] < last_fn_start for c in launches),
                     "step_ms": step["end"] - step["start"], "backward_compute_ms": bwd_end - bwd_start,
                     "allreduce_in_flight_ms": in_flight, "allreduce_during_backward_ms": hidden,
                     "allreduce_after_backward_ms": exposed, "n_allreduce": len(comm)})
