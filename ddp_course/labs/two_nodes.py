@@ -6,6 +6,10 @@ On a real cluster you run the same torchrun command once on every node; only ``-
 differs. Here both "nodes" are torchrun agents on this machine that meet at a rendezvous endpoint
 on 127.0.0.1, each starting ``--nproc_per_node`` workers of ``ddp_course.labs.env_report``, which
 write what their environment says (RANK, LOCAL_RANK, GROUP_RANK, ...) into ``--out_dir``.
+
+``run_two_nodes(..., rendezvous="c10d", script=[...])`` runs any program instead (lesson 10 trains
+MiniGPT this way) and lets the agents meet through the elastic c10d rendezvous instead of the static
+``--node_rank``/``--master_addr`` one.
 """
 
 from __future__ import annotations
@@ -33,25 +37,41 @@ def node_command(node_rank: int, nnodes: int, nproc_per_node: int, master_addr: 
             f"--master_addr={master_addr}", f"--master_port={master_port}", *script]
 
 
-def elastic_command(nnodes: int, nproc_per_node: int, endpoint: str, job_id: str, script: list[str]) -> list[str]:
+def elastic_command(nnodes: int, nproc_per_node: int, endpoint: str, job_id: str, script: list[str],
+                    python: str = "torchrun") -> list[str]:
     """The torchrun command with the c10d rendezvous: the same line on every node, ranks by arrival."""
-    return ["torchrun", f"--nnodes={nnodes}", f"--nproc_per_node={nproc_per_node}", f"--rdzv_id={job_id}",
+    launcher = [python] if python == "torchrun" else [python, "-m", "torch.distributed.run"]
+    return [*launcher, f"--nnodes={nnodes}", f"--nproc_per_node={nproc_per_node}", f"--rdzv_id={job_id}",
             "--rdzv_backend=c10d", f"--rdzv_endpoint={endpoint}", *script]
 
 
-def run_two_nodes(out_dir: str | Path, nproc_per_node: int = 2, timeout: float = 90.0) -> list[str]:
+def run_two_nodes(out_dir: str | Path, nproc_per_node: int = 2, timeout: float = 90.0, *,
+                  script: list[str] | None = None, rendezvous: str = "static",
+                  env: dict[str, str] | None = None) -> list[str]:
     """Start two torchrun agents (node_rank 0 and 1) on 127.0.0.1 and wait for both.
+
+    ``script`` is what each agent starts (default: the environment report, writing into
+    ``out_dir``); ``rendezvous`` is ``static`` (``--node_rank``, ``--master_addr``/``--master_port``)
+    or ``c10d`` (the same line for both agents, ``--rdzv_endpoint=127.0.0.1:PORT``); ``env`` is added
+    to the agents' environment. Each agent's output goes to ``out_dir/node<R>.log``.
 
     Returns the two command lines. Raises RuntimeError (with the output) if either fails, and stops
     every process of both jobs on timeout.
     """
+    if rendezvous not in ("static", "c10d"):
+        raise ValueError(f"rendezvous={rendezvous!r}: choose 'static' or 'c10d'.")
     port = free_port()
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    script = ["-m", "ddp_course.labs.env_report", f"--out_dir={out_dir}"]
+    if script is None:
+        script = ["-m", "ddp_course.labs.env_report", f"--out_dir={out_dir}"]
     job = uuid.uuid4().hex
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", _JOB_VAR: job}
-    cmds = [node_command(r, 2, nproc_per_node, "127.0.0.1", port, script, python=sys.executable) for r in (0, 1)]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {}), _JOB_VAR: job}
+    if rendezvous == "static":
+        cmds = [node_command(r, 2, nproc_per_node, "127.0.0.1", port, script, python=sys.executable) for r in (0, 1)]
+    else:  # one line for both agents; the agent that can bind the port hosts the rendezvous store
+        line = elastic_command(2, nproc_per_node, f"127.0.0.1:{port}", job[:8], script, python=sys.executable)
+        cmds = [line, list(line)]
     logs = [open(out_dir / f"node{r}.log", "w", encoding="utf-8") for r in (0, 1)]  # a pipe could fill up
     procs = [subprocess.Popen(c, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                               text=True, env=env, start_new_session=True) for c, log in zip(cmds, logs)]
