@@ -86,6 +86,11 @@ class TrainConfig:
     sample_tokens: int = 0  # if > 0: generate this many characters at the end (rank 0)
     fail_at_step: int = -1  # fault injection: rank `fail_rank` raises after this step, on torchrun's first attempt only (-1 = off)
     fail_rank: int = 0  # which rank fails when fail_at_step is set
+    # --- FSDP (lesson 09) --------------------------------------------------------------------
+    reshard_after_forward: bool = True  # FSDP: free each block's gathered parameters after its forward (ZeRO-3); false keeps them for backward (ZeRO-2-like)
+    fsdp_mixed_precision: bool = False  # FSDP: compute with bf16 copies of the parameters, reduce gradients in fp32 (MixedPrecisionPolicy)
+    fsdp_shard_size: int = 0  # FSDP: ranks that share one copy of the model; 0 = all ranks; a divisor of the world size = hybrid (replicate x shard)
+    fsdp_cpu_offload: bool = False  # FSDP: keep the sharded parameters, gradients and optimizer states in CPU memory (needs a GPU)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -121,6 +126,9 @@ class TrainConfig:
             raise bad(f"--bucket_cap_mb must be positive (got {self.bucket_cap_mb}).")
         if self.ckpt_format not in ("full", "sharded"):
             raise bad(f"--ckpt_format={self.ckpt_format!r} is not a checkpoint format; choose full or sharded.")
+        if self.fsdp_shard_size < 0:
+            raise bad(f"--fsdp_shard_size must be 0 (shard over all ranks) or a divisor of the world size "
+                      f"(got {self.fsdp_shard_size}).")
         if self.global_batch_size < 0:
             raise bad(f"--global_batch_size must be 0 (unused) or positive (got {self.global_batch_size}).")
 

@@ -50,7 +50,7 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.devi
     decay, no_decay = [], []
     for p in model.parameters():
         if p.requires_grad:
-            (decay if p.dim() >= 2 else no_decay).append(p)
+            (decay if parallel.ndim(p) >= 2 else no_decay).append(p)
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     fused = device.type == "cuda"  # one kernel for the whole update; the foreach path elsewhere
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), fused=fused)
@@ -89,7 +89,7 @@ def train_step(model, optimizer, scaler, micro_batches: Iterable, *, device: tor
         loss_sum += loss.detach()
     if scaler is not None:
         scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip) if grad_clip > 0 else None
+    grad_norm = parallel.clip_grad_norm_(model, grad_clip) if grad_clip > 0 else None  # over every rank's shard (FSDP)
     if scaler is not None:
         scaler.step(optimizer)  # skipped if the gradients hold inf/nan
         scaler.update()
@@ -271,10 +271,11 @@ def run_training(cfg: TrainConfig, info: DistInfo) -> dict:
                             device=device)
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
         summary["peak_memory_bytes_max_rank"] = int(peak.item())
-    if cfg.sample_tokens > 0 and info.is_main:
+    sampler = parallel.gathered(model) if cfg.sample_tokens > 0 else None  # every rank: FSDP gathers the full model
+    if sampler is not None and info.is_main:
         gen = torch.Generator(device=device).manual_seed(cfg.seed)
         start = torch.tensor([data.tokenizer.encode("\n")], device=device)
-        out = parallel.unwrap(model).generate(start, cfg.sample_tokens, temperature=0.8, top_k=20, generator=gen)
+        out = sampler.generate(start, cfg.sample_tokens, temperature=0.8, top_k=20, generator=gen)
         summary["sample"] = data.tokenizer.decode(out[0, 1:])
     if info.is_main:
         write_json(out_dir / "summary.json", summary)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 
+import torch
 import torch.nn as nn
 
 
@@ -21,7 +22,11 @@ def wrap(model: nn.Module, info, cfg) -> nn.Module:
 
 
 def unwrap(model: nn.Module) -> nn.Module:
-    """The plain model inside DDP / DataParallel / torch.compile wrappers (for saving, sampling)."""
+    """The plain model inside DDP / DataParallel / FSDP1 / torch.compile wrappers (for saving, sampling).
+
+    FSDP2 shards in place: the model is its own plain self, but its parameters are shards; use
+    :func:`gathered` for a copy with full parameters.
+    """
     while True:
         if hasattr(model, "_orig_mod"):  # torch.compile
             model = model._orig_mod
@@ -35,8 +40,63 @@ def sync_context(model: nn.Module, sync: bool):
     """``model.no_sync()`` on a micro-step that must not all-reduce, else a no-op context.
 
     DDP reads the flag when the *forward* runs, so the forward of every non-final micro-step must be
-    inside this context, not only its backward.
+    inside this context, not only its backward. FSDP2 has no ``no_sync()``: its analogue is
+    ``set_requires_gradient_sync(False)`` (no reduce-scatter; unsharded gradients accumulate locally).
     """
+    if not sync and hasattr(model, "set_requires_gradient_sync"):  # FSDP2
+        return _fsdp2_no_sync(model)
     if not sync and hasattr(model, "no_sync"):
         return model.no_sync()
     return contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _fsdp2_no_sync(model: nn.Module):
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+
+
+def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
+    """Clip the global gradient norm; returns the norm before clipping as a plain tensor.
+
+    Sharded gradients need the norm over every rank's shard: FSDP2's are DTensors, whose norm
+    torch.nn.utils.clip_grad_norm_ reduces across ranks; FSDP1's are plain local shards, so it has a
+    method of its own (torch.nn.utils.clip_grad_norm_ would clip each rank by its shard's norm).
+    """
+    if hasattr(model, "clip_grad_norm_"):  # FSDP1
+        return model.clip_grad_norm_(max_norm)
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # DTensor (FSDP2) -> tensor
+
+
+def ndim(p: torch.Tensor) -> int:
+    """A parameter's number of dimensions as the model defined it (FSDP1 shows 1-D shards)."""
+    return getattr(p, "_orig_ndim", p.dim())
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """True for FSDP (FSDP2's DTensor parameters, or an FSDP1 wrapper)."""
+    from torch.distributed.tensor import DTensor
+
+    return hasattr(model, "_fsdp_wrapped_module") or any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def gathered(model: nn.Module) -> nn.Module:
+    """The model with full parameters, for sampling: itself when replicated, a plain copy when sharded.
+
+    For FSDP this is a collective (the full parameters are all-gathered): every rank must call it.
+    """
+    if not is_sharded(model):
+        return unwrap(model)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from ddp_course.model import MiniGPT
+
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    with torch.random.fork_rng(devices=[]):  # building a model draws its initial weights: leave the RNG alone
+        copy = MiniGPT(unwrap(model).cfg).to(next(iter(state.values())).device)
+    copy.load_state_dict(state)
+    return copy

@@ -1,0 +1,97 @@
+"""FSDP2: ``fully_shard`` on each transformer block, then on the root.
+
+    torchrun --standalone --nproc_per_node=2 -m ddp_course.train --strategy=fsdp
+    torchrun --standalone --nproc_per_node=4 -m ddp_course.train --strategy=fsdp --fsdp_shard_size=2
+
+``fully_shard(module, mesh=...)`` replaces every parameter of ``module`` (those not already taken
+by an inner call) by a :class:`~torch.distributed.tensor.DTensor` sharded on dim 0 over the mesh:
+each rank keeps rows ``[r*c, (r+1)*c)`` of every tensor, with ``c = ceil(rows / shard ranks)``
+(the storage of the last shard is padded up to ``c`` rows). The calls are bottom-up, so each block
+is one *group*: one all-gather brings the whole block's parameters together before its forward,
+one reduce-scatter hands each rank its shard of the block's gradients after its backward. The root
+call takes what is left: the embeddings (tied with the output head), the final LayerNorm.
+
+What a step costs, per block: an all-gather before forward; with ``reshard_after_forward`` (ZeRO-3)
+the gathered copy is freed after the forward and gathered again in backward; without it (ZeRO-2-like)
+it stays from forward to backward -- less communication, more memory. Then a reduce-scatter of the
+gradients. Optimizer states are created from the sharded parameters, so AdamW's two moments are
+sharded too. The root keeps its gathered parameters after forward (PyTorch's advice: the backward
+starts with it, so freeing them would only mean gathering them again at once).
+
+Options (``TrainConfig``, section "FSDP (lesson 09)"): ``reshard_after_forward``,
+``fsdp_mixed_precision`` (``MixedPrecisionPolicy``: bf16 parameters for compute and all-gather,
+gradients reduced in fp32, sharded parameters and optimizer kept fp32), ``fsdp_shard_size``
+(hybrid sharding, HSDP: a 2-D mesh ``replicate x shard``; shards within a group of ranks, all-reduces
+the gradient shards across groups), ``fsdp_cpu_offload`` (``CPUOffloadPolicy``, needs a GPU),
+``activation_checkpointing`` (MiniGPT recomputes each block in backward; FSDP gathers the block
+again for the recomputation).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+from ddp_course.config import ConfigError
+
+
+def shard_layout(info, cfg) -> tuple[int, int]:
+    """(replicas, shard ranks) for this world size: ``fsdp_shard_size`` ranks hold one copy of the model."""
+    ws = info.world_size
+    shard = cfg.fsdp_shard_size or ws
+    if shard > ws or ws % shard:
+        divisors = [d for d in range(1, ws + 1) if ws % d == 0]
+        raise ConfigError(f"--fsdp_shard_size={cfg.fsdp_shard_size} does not divide the {ws} rank(s) of this job into "
+                          f"equal shard groups; use 0 (shard over all ranks) or one of {divisors}.")
+    return ws // shard, shard
+
+
+def device_mesh(info, cfg) -> DeviceMesh:
+    """1-D mesh ``(shard,)`` over every rank, or 2-D ``(replicate, shard)`` for hybrid sharding.
+
+    Ranks are laid out row by row: with 4 ranks and ``fsdp_shard_size=2``, ranks {0, 1} and {2, 3}
+    each hold one sharded copy, and {0, 2}, {1, 3} are the replicas that all-reduce.
+    """
+    replicas, shard = shard_layout(info, cfg)
+    if replicas == 1:
+        return init_device_mesh(info.device.type, (shard,), mesh_dim_names=("shard",))
+    return init_device_mesh(info.device.type, (replicas, shard), mesh_dim_names=("replicate", "shard"))
+
+
+def mp_policy(cfg) -> MixedPrecisionPolicy:
+    """bf16 for the gathered parameters (compute and all-gather), fp32 for the gradient reduction."""
+    if not cfg.fsdp_mixed_precision:
+        return MixedPrecisionPolicy()
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+
+def offload_policy(info, cfg) -> OffloadPolicy:
+    if not cfg.fsdp_cpu_offload:
+        return OffloadPolicy()
+    if info.device.type != "cuda":
+        raise ConfigError("--fsdp_cpu_offload moves the sharded parameters, gradients and optimizer states from the GPU "
+                          "to CPU memory, and copies each block to the GPU for its compute. This job trains on the CPU, "
+                          "where everything is in CPU memory already: drop --fsdp_cpu_offload, or run on GPUs.")
+    return CPUOffloadPolicy()
+
+
+def wrap(model: nn.Module, info, cfg) -> nn.Module:
+    """Shard ``model`` in place: ``fully_shard`` on each of ``model.blocks``, then on the root. Returns it.
+
+    Collectives: none here (every rank shards its own identical copy: same seed, same init); the
+    all-gathers and reduce-scatters happen in forward and backward.
+    """
+    if not info.is_distributed:
+        raise ConfigError("--strategy=fsdp needs a process group: launch with "
+                          "`torchrun --standalone --nproc_per_node=2 -m ddp_course.train --strategy=fsdp` "
+                          "(or ddp_course.launch.run(..., nproc=2)).")
+    if not isinstance(getattr(model, "blocks", None), nn.ModuleList):
+        raise ConfigError(f"--strategy=fsdp shards each transformer block of `model.blocks`; {type(model).__name__} "
+                          "has no such ModuleList.")
+    options = {"mesh": device_mesh(info, cfg), "mp_policy": mp_policy(cfg), "offload_policy": offload_policy(info, cfg)}
+    for block in model.blocks:  # bottom-up: one all-gather / reduce-scatter group per block
+        fully_shard(block, reshard_after_forward=cfg.reshard_after_forward, **options)
+    fully_shard(model, reshard_after_forward=False, **options)  # the rest: embeddings (tied head), final LayerNorm
+    return model

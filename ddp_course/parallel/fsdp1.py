@@ -1,0 +1,73 @@
+"""FSDP1: ``FullyShardedDataParallel``, PyTorch's first FSDP, kept for comparison with FSDP2.
+
+    torchrun --standalone --nproc_per_node=2 -m ddp_course.train --strategy=fsdp1
+
+Each transformer block is wrapped in its own ``FullyShardedDataParallel`` (``ModuleWrapPolicy``),
+the root in another. Unlike FSDP2, FSDP1 concatenates a unit's parameters into one flat 1-D
+``FlatParameter`` and shards that: a rank's shard can end in the middle of a tensor, and with
+``use_orig_params=True`` (needed here so that the optimizer sees one parameter per tensor) the
+parameters it exposes are 1-D views into the local shard, some of them empty.
+
+The same options as ``strategy=fsdp`` map to FSDP1's ``ShardingStrategy``:
+
+================================  ==================  ========================
+reshard_after_forward             true                false
+================================  ==================  ========================
+fsdp_shard_size = 0 (all ranks)   ``FULL_SHARD``      ``SHARD_GRAD_OP``
+fsdp_shard_size = divisor         ``HYBRID_SHARD``    ``_HYBRID_SHARD_ZERO2``
+================================  ==================  ========================
+
+Two traps handled here:
+
+- On the CPU, FSDP1 refuses to start without ``device_id=torch.device("cpu")`` ("FSDP needs a
+  non-CPU accelerator device"): the course passes the device explicitly.
+- ``HYBRID_SHARD`` with one rank per shard group (``fsdp_shard_size=1``) silently stops
+  synchronising: FSDP1 turns the unit into ``NO_SHARD`` but reduces the gradients over the one-rank
+  shard group only, so every replica trains on its own data (pytorch/pytorch#154888, not fixed in
+  FSDP1). The course refuses that combination; FSDP2 does it right (``strategy=fsdp``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from torch.distributed.fsdp import CPUOffload, MixedPrecision, ShardingStrategy
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+from ddp_course.config import ConfigError
+from ddp_course.parallel.fsdp import device_mesh, shard_layout
+
+
+def sharding_strategy(info, cfg) -> ShardingStrategy:
+    replicas, shard = shard_layout(info, cfg)
+    if replicas > 1 and shard == 1:
+        raise ConfigError(
+            f"--strategy=fsdp1 with --fsdp_shard_size=1 on {info.world_size} ranks would be HYBRID_SHARD with one rank "
+            "per shard group, and FSDP1 then silently stops synchronising gradients: it reduces them over the "
+            "one-rank shard group only, so each rank trains its own model on its own data while the job looks "
+            "healthy (pytorch/pytorch#154888, not fixed in FSDP1). Use --strategy=ddp (that is what one rank per "
+            "shard group means), --strategy=fsdp with --fsdp_shard_size=1 (FSDP2 all-reduces across the replicas "
+            "correctly), or a shard size of 2 or more.")
+    if replicas > 1:
+        return ShardingStrategy.HYBRID_SHARD if cfg.reshard_after_forward else ShardingStrategy._HYBRID_SHARD_ZERO2
+    return ShardingStrategy.FULL_SHARD if cfg.reshard_after_forward else ShardingStrategy.SHARD_GRAD_OP
+
+
+def wrap(model: nn.Module, info, cfg) -> nn.Module:
+    if not info.is_distributed:
+        raise ConfigError("--strategy=fsdp1 needs a process group: launch with "
+                          "`torchrun --standalone --nproc_per_node=2 -m ddp_course.train --strategy=fsdp1`.")
+    strategy = sharding_strategy(info, cfg)  # refuse before any collective
+    if cfg.fsdp_cpu_offload and info.device.type != "cuda":
+        raise ConfigError("--fsdp_cpu_offload needs a GPU: it moves parameters from GPU memory to CPU memory, and "
+                          "this job already keeps everything in CPU memory. Drop --fsdp_cpu_offload.")
+    for p in model.parameters():  # FSDP1 shows flat 1-D shards; the optimizer's decay groups need the real rank
+        p._orig_ndim = p.dim()
+    hybrid = strategy in (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
+    mp = (MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, buffer_dtype=torch.bfloat16)
+          if cfg.fsdp_mixed_precision else None)
+    return FSDP(model, auto_wrap_policy=ModuleWrapPolicy({type(model.blocks[0])}), sharding_strategy=strategy,
+                device_id=info.device,  # explicit: on the CPU FSDP1 refuses to guess it
+                device_mesh=device_mesh(info, cfg) if hybrid else None, use_orig_params=True,
+                mixed_precision=mp, cpu_offload=CPUOffload(offload_params=True) if cfg.fsdp_cpu_offload else None)
