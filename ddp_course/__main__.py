@@ -4,6 +4,7 @@
     python -m ddp_course run --nproc=2 --strategy=ddp --max_steps=100    a training job via torchrun
     python -m ddp_course bench NAME [--key=value]   a benchmark (python -m ddp_course bench --help)
     python -m ddp_course check NN PATH              grade an exercise script
+    python -m ddp_course multinode --nnodes=2 --nproc=8 [-- TRAIN ARGS]   torchrun lines and a Slurm script
 """
 
 from __future__ import annotations
@@ -50,6 +51,10 @@ def main(argv: list[str] | None = None) -> int:
         from ddp_course.bench import main as bench
 
         return bench(rest)
+    if cmd == "multinode":
+        from ddp_course.multinode import main as multinode
+
+        return multinode(rest)
     if cmd == "check":
         from ddp_course.check import main as check
 
