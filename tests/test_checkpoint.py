@@ -326,31 +326,28 @@ def test_metrics_rows_after_the_checkpoint_are_dropped(tmp_path):
 
 # --- exercise 08 -------------------------------------------------------------------------------------------
 
-def _ref_results() -> list[dict]:
-    return [{"rank": r, "attempt": 0, "start": 0, "loaded": None, "final": "f",
-             "at_ckpt": {"model": "m", "optimizer": "o", "rng": f"rng{r}"},
-             "losses": {str(s): float(s) for s in range(1, g08.MAX_STEPS + 1)}} for r in range(2)]
-
-
-def _resumed(loaded: dict[int, dict] | None = None) -> list[dict]:
+def _results(loaded: dict[int, dict] | None = None, start: int = g08.CKPT_STEP) -> list[dict]:
+    """RESULT rows as the exercise prints them after a restart: the resumed run, then its reference."""
     out = []
     for r in range(2):
-        row = {**_ref_results()[r], "attempt": 1, "start": g08.CKPT_STEP}
-        row["loaded"] = {"model": "m", "optimizer": "o", "rng": f"rng{r}", **(loaded or {}).get(r, {})}
-        row["losses"] = {k: v for k, v in row["losses"].items() if int(k) > g08.CKPT_STEP}
-        out.append(row)
+        ref = {"at_ckpt": {"model": "m", "optimizer": "o", "rng": f"rng{r}"}, "final": "f",
+               "losses": {str(s): float(s) for s in range(1, g08.MAX_STEPS + 1)}}
+        out.append({"rank": r, "attempt": 1, "start": start,
+                    "loaded": {**ref["at_ckpt"], **(loaded or {}).get(r, {})}, "at_ckpt": None, "final": "f",
+                    "losses": {k: v for k, v in ref["losses"].items() if int(k) > start}, "reference": ref})
     return out
 
 
 def test_grader_diagnoses_each_missing_part():
-    assert g08.diagnose(_resumed(), _ref_results()).ok
-    v = g08.diagnose(_resumed({1: {"rng": "rng0"}}), _ref_results())
+    assert g08.diagnose(_results()).ok
+    v = g08.diagnose(_results({1: {"rng": "rng0"}}))
     assert not v.ok and "got rank 0's RNG state" in v.message
-    v = g08.diagnose(_resumed({0: {"optimizer": "x"}, 1: {"optimizer": "x"}}), _ref_results())
+    v = g08.diagnose(_results({0: {"optimizer": "x"}, 1: {"optimizer": "x"}}))
     assert not v.ok and "optimizer" in v.message and "[0, 1]" in v.message
-    fresh = [{**r, "start": 0} for r in _resumed()]
-    v = g08.diagnose(fresh, _ref_results())
+    v = g08.diagnose(_results(start=0))
     assert not v.ok and "started again from step 0" in v.message
+    v = g08.diagnose([{**row, "final": "g"} for row in _results()])
+    assert not v.ok and "in the final parameters" in v.message
 
 
 @pytest.mark.timeout(300)

@@ -1,12 +1,10 @@
 """Grader of exercise 08 (``lessons/exercises/08_save_load.py``): a save/load pair that resumes exactly.
 
-Runs the script with torchrun on 2 processes, twice:
-
-1. the crash: ``torchrun --max-restarts=1``; attempt 0 saves at step ``CKPT_STEP`` and rank 1 kills
-   itself (SIGKILL) after step ``FAIL_AT_STEP``; torchrun restarts both ranks; attempt 1 loads the
-   checkpoint and finishes. It runs first, so an unfinished exercise fails fast.
-2. the reference: the same training without a crash and without saving (``--save=false``), so it
-   does not depend on the functions being graded.
+Runs the script once with ``torchrun --max-restarts=1`` on 2 processes: attempt 0 saves at step
+``CKPT_STEP`` and rank 1 kills itself (SIGKILL) after step ``FAIL_AT_STEP``; torchrun restarts both
+ranks; attempt 1 loads the checkpoint and finishes, then trains the same model again from step 0
+without interruption and without checkpoints -- the reference, which does not depend on the
+functions being graded.
 
 Per rank, it compares the state right after loading with the reference's at the checkpoint step
 (model, AdamW state, RNG state), then the losses of the remaining steps and the final parameters,
@@ -32,13 +30,10 @@ def _tail(output: str, n: int = 15) -> str:
     return "\n".join(output.splitlines()[-n:])
 
 
-def diagnose(crashed: list[dict], reference: list[dict]) -> Verdict:
-    """The verdict from the RESULT lines of the crashed-and-restarted run and of the reference run."""
-    ref = {r["rank"]: r for r in reference}
-    got = {r["rank"]: r for r in crashed}
-    if sorted(ref) != list(range(NPROC)):
-        return Verdict(False, f"the uninterrupted reference run reported from ranks {sorted(ref)}, not 0..{NPROC - 1}; "
-                              "did the harness below the exercise change?")
+def diagnose(found: list[dict]) -> Verdict:
+    """The verdict from the RESULT lines of the restarted job (each carries its rank's reference run)."""
+    got = {r["rank"]: r for r in found}
+    ref = {k: r["reference"] for k, r in got.items()}
     if sorted(got) != list(range(NPROC)):
         return Verdict(False, f"after the restart only ranks {sorted(got)} finished; every rank must run to the end.")
     for rank in range(NPROC):
@@ -84,37 +79,30 @@ def diagnose(crashed: list[dict], reference: list[dict]) -> Verdict:
 
 
 def grade(path: str | Path, timeout: float = 180) -> Verdict:
-    """Crash-and-restart run, then the uninterrupted reference (2 ranks each); compare bit for bit."""
+    """One crash-and-restart job on 2 ranks (the reference runs inside it); compare bit for bit."""
     from ddp_course.launch import LaunchTimeout, run
 
     scratch = Path(tempfile.mkdtemp(prefix="ddp_course_g08_"))
     try:
-        common = {"max_steps": MAX_STEPS, "ckpt_step": CKPT_STEP}
         try:
-            crash = run(str(path), nproc=NPROC, out_dir=scratch / "crash", echo="none", progress=False,
-                        timeout=timeout, check=False, torchrun_args=["--max-restarts=1"], env=RESTART_ENV,
-                        fail_at_step=FAIL_AT_STEP, **common)
+            job = run(str(path), nproc=NPROC, out_dir=scratch, echo="none", progress=False, timeout=timeout,
+                      check=False, torchrun_args=["--max-restarts=1"], env=RESTART_ENV, max_steps=MAX_STEPS,
+                      ckpt_step=CKPT_STEP, fail_at_step=FAIL_AT_STEP)
         except LaunchTimeout as exc:  # the job was stopped
             return Verdict(False, f"the job did not finish within {timeout:.0f}s and was stopped. A save that waits "
                                   "forever is usually a collective that only some ranks call: dist.barrier() or "
                                   "dist.gather_object() inside `if rank == 0:` waits for ranks that never come. "
                                   f"Last lines:\n{_tail(exc.run.output)}")
-        if "NotImplementedError" in crash.output:
+        if "NotImplementedError" in job.output:
             return Verdict(False, "save_checkpoint or load_checkpoint still raises NotImplementedError: complete the "
                                   "TODOs.")
-        found = results(crash.output)
+        found = results(job.output)
         if len(found) != NPROC:
             hint = (" A rank waited until the process group's timeout: a collective that only some ranks call, such as "
                     "dist.barrier() or dist.gather_object() inside `if rank == 0:`, waits for ranks that never come."
-                    if any(s in crash.output for s in ("timed out", "Timeout", "timeout")) else "")
+                    if any(s in job.output for s in ("timed out", "Timeout", "timeout")) else "")
             return Verdict(False, f"after the crash and the restart, the job did not finish on every rank (exit code "
-                                  f"{crash.returncode}).{hint} Last lines:\n{_tail(crash.output)}")
-        ref = run(str(path), nproc=NPROC, out_dir=scratch / "reference", echo="none", progress=False,
-                  timeout=timeout, check=False, save=False, **common)
-        reference = results(ref.output)
-        if len(reference) != NPROC:
-            return Verdict(False, f"the uninterrupted reference run failed (exit code {ref.returncode}). "
-                                  f"Last lines:\n{_tail(ref.output)}")
-        return diagnose(found, reference)
+                                  f"{job.returncode}).{hint} Last lines:\n{_tail(job.output)}")
+        return diagnose(found)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)

@@ -11,13 +11,15 @@ Run it from the repository root, with a crash on purpose after step 9 and one re
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --nproc_per_node=2 --max-restarts=1 \\
         lessons/exercises/08_save_load.py --out_dir=runs/ex08 --fail_at_step=9
 
-(the variable works around a torch 2.x bug on restarts, see lesson 08). Attempt 0 saves at step 6
+(the variable works around a torch 2.x bug on restarts, see lesson 08; delete runs/ex08 to start over
+from scratch). Attempt 0 saves at step 6
 and rank 1 kills itself (SIGKILL) after step 9; torchrun restarts both ranks; attempt 1 loads the
 checkpoint and finishes. The grader compares that with an uninterrupted run, bit for bit:
 
     python -m ddp_course check 08 lessons/exercises/08_save_load.py
 
-Every rank prints one line ``RESULT {json}`` at the end (what the grader reads).
+At the end each rank also trains the same model from step 0 without interruption, and prints one
+line ``RESULT {json}`` with both runs (what the grader reads).
 """
 
 import hashlib
@@ -89,48 +91,63 @@ def lr_at(step: int, max_steps: int) -> float:
     return 3e-3 * min(1.0, (step + 1) / 4) * (1.0 - 0.5 * step / max_steps)  # warm-up, then linear decay
 
 
+def fresh_start(data, info: DistInfo) -> tuple[DDP, torch.optim.Optimizer]:
+    """The model and optimizer of step 0, and the generators as a fresh start leaves them."""
+    torch.manual_seed(0)  # the same initial model on every rank
+    model = DDP(MiniGPT(GPTConfig(vocab_size=data.tokenizer.vocab_size, block_size=32, n_layer=1, n_head=2,
+                                  n_embd=32, dropout=0.1)))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
+    torch.manual_seed(1000 + info.rank)  # dropout masks differ between ranks: so do the RNG states
+    return model, optimizer
+
+
+def train(data, model: DDP, optimizer, info: DistInfo, start: int, opts: dict, checkpoint: Path | None,
+          crash: bool) -> dict:
+    """Steps ``start`` .. max_steps; saves at ckpt_step into ``checkpoint`` (if given); rank 1 may crash."""
+    batches = stream_batches(data.train.tokens, 32, 4, info.rank, info.world_size, seed=0, start_batch=start)
+    losses, at_ckpt = {}, None
+    for step in range(start, opts["max_steps"]):
+        x, y = next(batches)
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step, opts["max_steps"])
+        _, loss = model(x, y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses[step + 1] = loss.item()
+        if step + 1 == opts["ckpt_step"]:
+            at_ckpt = probe(model, optimizer)
+            if checkpoint is not None:
+                save_checkpoint(checkpoint, step + 1, model, optimizer, info)
+        if crash and step == opts["fail_at_step"] and info.rank == 1:
+            log(f"killing rank 1 after step {step} (SIGKILL)", all_ranks=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+    return {"losses": losses, "at_ckpt": at_ckpt, "final": digest(model.module.state_dict())}
+
+
 def main(argv: list[str]) -> None:
     try:
         opts = parse_flags(argv, DEFAULTS, "08_save_load.py")
     except FlagError as exc:
         raise SystemExit(f"error: {exc}") from None
     out_dir = Path(opts["out_dir"])
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / "checkpoint.pt"
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))  # torchrun counts its restarts
     with setup(device="cpu", timeout_s=30) as info:
         data = prepare("tinyshakespeare", block_size=32, val_fraction=0.1, announce=log)
-        torch.manual_seed(0)  # the same initial model on every rank
-        model = DDP(MiniGPT(GPTConfig(vocab_size=data.tokenizer.vocab_size, block_size=32, n_layer=1, n_head=2,
-                                      n_embd=32, dropout=0.1)))
-        optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
-        torch.manual_seed(1000 + info.rank)  # dropout masks differ between ranks: so do the RNG states
-        path = out_dir / "checkpoint.pt"
+        model, optimizer = fresh_start(data, info)
         start, loaded = 0, None
         if path.exists():
             start = load_checkpoint(path, model, optimizer, info)
             loaded = probe(model, optimizer)
             log(f"attempt {attempt}: resumed from {path} at step {start}", all_ranks=True)
-        batches = stream_batches(data.train.tokens, 32, 4, info.rank, info.world_size, seed=0, start_batch=start)
-        losses, at_ckpt = {}, None
-        for step in range(start, opts["max_steps"]):
-            x, y = next(batches)
-            for group in optimizer.param_groups:
-                group["lr"] = lr_at(step, opts["max_steps"])
-            _, loss = model(x, y)
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            losses[step + 1] = loss.item()
-            if step + 1 == opts["ckpt_step"]:
-                at_ckpt = probe(model, optimizer)
-                if opts["save"]:
-                    out_dir.mkdir(parents=True, exist_ok=True)
-                    save_checkpoint(path, step + 1, model, optimizer, info)
-            if step == opts["fail_at_step"] and attempt == 0 and info.rank == 1:
-                log(f"attempt {attempt}: killing rank 1 after step {step} (SIGKILL)", all_ranks=True)
-                os.kill(os.getpid(), signal.SIGKILL)
+        run = train(data, model, optimizer, info, start, opts, path if opts["save"] else None, crash=attempt == 0)
+        # the same training from step 0, uninterrupted and without checkpoints: what the run must equal
+        model, optimizer = fresh_start(data, info)
+        reference = train(data, model, optimizer, info, 0, opts, None, crash=False)
         print("RESULT " + json.dumps({"rank": info.rank, "attempt": attempt, "start": start, "loaded": loaded,
-                                      "at_ckpt": at_ckpt, "losses": losses,
-                                      "final": digest(model.module.state_dict())}), flush=True)
+                                      **run, "reference": reference}), flush=True)
 
 
 if __name__ == "__main__":
