@@ -101,9 +101,9 @@ def test_data_order_is_validated_and_selects_the_stream_in_the_training_loop(tmp
 def recipe_runs(tmp_path_factory) -> dict[str, Path]:
     base = tmp_path_factory.mktemp("recipe")
     run(RECIPE, nproc=2, out_dir=base / "ddp", timeout=240, echo="none", progress=False,
-        variants=",".join(DDP_VARIANTS), steps=STEPS)
+        variants=",".join(DDP_VARIANTS), steps=STEPS, device="cpu")
     run(RECIPE, nproc=1, use_torchrun=False, out_dir=base / "single", timeout=180, echo="none", progress=False,
-        variants="recipe,stream", steps=STEPS, micro_batch_size=16)
+        variants="recipe,stream", steps=STEPS, micro_batch_size=16, device="cpu")
     return {"ddp": base / "ddp", "single": base / "single"}
 
 
@@ -179,6 +179,22 @@ def test_streaming_ddp_equals_streaming_single(recipe_runs):
     for step in range(STEPS):
         assert d["seen"][0][step] + d["seen"][1][step] == s["seen"][0][step]
     assert _max_diff(_weights(recipe_runs, "ddp", "stream"), _weights(recipe_runs, "single", "stream")) < PARAM_ATOL
+
+
+@pytest.mark.multigpu
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_recipe_on_two_gpus_equals_one_gpu(tmp_path):
+    run(RECIPE, nproc=2, out_dir=tmp_path / "ddp", timeout=240, echo="none", progress=False, variants="recipe",
+        steps=STEPS, device="cuda")
+    run(RECIPE, nproc=1, use_torchrun=False, out_dir=tmp_path / "single", timeout=180, echo="none",
+        progress=False, variants="recipe", steps=STEPS, micro_batch_size=16, device="cuda")
+    runs = {"ddp": tmp_path / "ddp", "single": tmp_path / "single"}
+    d = _result(runs, "ddp", "recipe")
+    assert [r["backend"] for r in d["ranks"]] == ["nccl", "nccl"]
+    assert [r["device"] for r in d["ranks"]] == ["cuda:0", "cuda:1"]  # pinned by LOCAL_RANK
+    # the same float32 argument as on the CPU; GPU kernels add no more than ~1e-6 per step
+    assert _max_diff(_weights(runs, "ddp", "recipe"), _weights(runs, "single", "recipe")) < PARAM_ATOL
 
 
 def test_recipe_refuses_unknown_options_and_variants():

@@ -27,8 +27,9 @@ NPROC = 2
 PARAM_ATOL = 1e-4
 
 
-def _reference(cfg: dict, timeout: float) -> dict[str, torch.Tensor]:
-    """One process on the concatenated batch: the recipe lab with micro_batch_size x NPROC.
+def _reference(cfg: dict, device: str, timeout: float) -> dict[str, torch.Tensor]:
+    """One process on the concatenated batch: the recipe lab with micro_batch_size x NPROC, on the
+    kind of device the script ran on (CPU kernels and GPU kernels round differently).
 
     The result depends only on the settings, the corpus, the recipe's code and the torch version, so it
     is kept in the course's cache (``~/.cache/ddp_course/g04``) under a hash of the four: grading
@@ -45,6 +46,7 @@ def _reference(cfg: dict, timeout: float) -> dict[str, torch.Tensor]:
     flags = {k: cfg[k] for k in ("steps", "lr", "seed", "train_windows", "val_windows", "block_size", "n_layer",
                                  "n_head", "n_embd")}
     flags["micro_batch_size"] = cfg["micro_batch_size"] * NPROC
+    flags["device"] = "cuda" if device.startswith("cuda") else "cpu"
     corpus = load_corpus("tinyshakespeare", announce=lambda msg: None).text  # what the runs will read
     key = hashlib.sha256(json.dumps([flags, torch.__version__, Path(ddp_recipe.__file__).read_text(),
                                      hashlib.sha256(corpus.encode()).hexdigest()], sort_keys=True).encode())
@@ -114,7 +116,7 @@ def grade(path: str | Path, timeout: float = 180) -> Verdict:
                                   "model.module.state_dict(), which loads into a plain MiniGPT.")
 
         cfg = found[0]["config"]
-        ref = _reference(cfg, timeout)
+        ref = _reference(cfg, found[0].get("device", "cpu"), timeout)
         if set(ref) != set(state):
             return Verdict(False, f"the saved parameters are not MiniGPT's: missing {sorted(set(ref) - set(state))[:3]},"
                                   f" unexpected {sorted(set(state) - set(ref))[:3]}.")

@@ -320,8 +320,14 @@ def main(argv: list[str]) -> None:
 
     # 2. The device, pinned by LOCAL_RANK: on the second node RANK is 8..15 but the GPUs are 0..7.
     #    NCCL for CUDA tensors (one GPU per process), gloo for CPU tensors.
-    use_cuda = opts["device"] == "cuda" or (opts["device"] == "auto" and torch.cuda.is_available()
-                                            and torch.cuda.device_count() >= local_world_size)
+    enough_gpus = torch.cuda.is_available() and torch.cuda.device_count() >= local_world_size
+    if opts["device"] == "cuda" and not enough_gpus:
+        if rank == 0:
+            print(f"error: --device=cuda needs one GPU per process: {local_world_size} process(es) on this node, "
+                  f"{torch.cuda.device_count() if torch.cuda.is_available() else 0} CUDA GPU(s) visible. "
+                  "Use --device=auto or --device=cpu.", file=sys.stderr, flush=True)
+        raise SystemExit(2)
+    use_cuda = opts["device"] == "cuda" or (opts["device"] == "auto" and enough_gpus)
     if use_cuda:
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)  # before init_process_group: NCCL binds to the current device

@@ -151,7 +151,7 @@ def main(argv: list[str]) -> None:
     save(model, path, rank)
     flat = torch.cat([p.detach().double().flatten() for p in model.parameters()])
     result = json.dumps({
-        "rank": rank, "world_size": world_size, "final": str(path.resolve()),
+        "rank": rank, "world_size": world_size, "device": str(device), "final": str(path.resolve()),
         "param_checksum": [flat.sum().item(), flat.square().sum().item()], "seen": seen,
         "config": {"steps": len(losses), "micro_batch_size": MICRO_BATCH, "lr": LR, "seed": SEED,
                    "train_windows": TRAIN_WINDOWS, "val_windows": VAL_WINDOWS, **SHAPE}})
