@@ -150,7 +150,13 @@ class TrainConfig:
                 f"(micro_batch_size x world_size) = {self.global_batch_size} / {per_step} = "
                 f"{self.global_batch_size / per_step:g}, not a whole number. "
                 f"Use a multiple of {per_step} (for example {hint}), or change --micro_batch_size.")
-        self.grad_accum_steps = self.global_batch_size // per_step
+        steps = self.global_batch_size // per_step
+        if self.grad_accum_steps not in (1, steps):
+            raise ConfigError(
+                f"--global_batch_size={self.global_batch_size} sets grad_accum_steps = {self.global_batch_size} / "
+                f"{per_step} = {steps} on {world_size} rank(s), but --grad_accum_steps={self.grad_accum_steps} was "
+                "also given. Give one of the two.")
+        self.grad_accum_steps = steps
 
     def global_batch(self, world_size: int) -> int:
         return self.micro_batch_size * self.grad_accum_steps * world_size

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import random
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -140,9 +141,16 @@ def log(msg: str, *, all_ranks: bool = False) -> None:
     """Print from rank 0 only; with ``all_ranks=True`` every rank prints, prefixed ``[rank N]``."""
     rank = current_rank()
     if all_ranks:
-        print(f"[rank {rank}] {msg}", flush=True)
+        _write_line(f"[rank {rank}] {msg}")
     elif rank == 0:
-        print(msg, flush=True)
+        _write_line(msg)
+
+
+def _write_line(text: str) -> None:
+    # One write per line: ranks share the launcher's pipe, and print() writes the text and the
+    # newline separately, so another rank's line could land between them.
+    sys.stdout.write(text + "\n")
+    sys.stdout.flush()
 
 
 def seed_everything(seed: int) -> None:
