@@ -16,7 +16,7 @@ from typing import Any
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 DEVICES = ("auto", "cpu", "cuda")
-COMM_HOOKS = ("none", "fp16", "bf16")
+COMM_HOOKS = ("none", "fp16", "bf16", "int8")
 DATA_ORDERS = ("sampler", "stream")
 
 
@@ -72,7 +72,7 @@ class TrainConfig:
     broadcast_buffers: bool = True  # DDP re-broadcasts rank 0's buffers before every forward
     find_unused_parameters: bool = False  # tolerate parameters that get no gradient (costs a graph walk)
     static_graph: bool = False  # promise the graph is the same every step (lets DDP optimise)
-    comm_hook: str = "none"  # gradient compression on the wire: none | fp16 | bf16
+    comm_hook: str = "none"  # gradient compression on the wire: none | fp16 | bf16 | int8
     # --- evaluation, logging, checkpoints ----------------------------------------------------
     eval_interval: int = 50  # evaluate every N steps (and at the end); 0 = only at the end
     eval_batches: int = 8  # validation micro-batches per rank per evaluation
