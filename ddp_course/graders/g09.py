@@ -89,7 +89,7 @@ def diagnose(found: list[dict], reference: dict[str, float], lr: float) -> Verdi
         return Verdict(False, f"every parameter is sharded, but block(s) {missing} are not FSDP units of their own: "
                               "sharding only the root makes the whole model one unit, all-gathered in full before the "
                               "first layer's forward, so each rank's peak holds every parameter at once -- the memory "
-                              "FSDP exists to save. Call fully_shard(block, mesh=mesh) on each block *before* the root.")
+                              "FSDP exists to save. Call fully_shard(block, mesh=mesh) on each block before the root.")
     if not units["root"]:
         return Verdict(False, "the model returned is not an FSDP module: return the model after fully_shard(model, ...).")
     for rank, r in sorted(ranks.items()):
@@ -112,8 +112,8 @@ def diagnose(found: list[dict], reference: dict[str, float], lr: float) -> Verdi
                          f"difference {worst:.1e}) and the grader's one-process reference.")
 
 
-def grade(path: str | Path, timeout: float = 180) -> Verdict:
-    """Run the script on 2 ranks, then compare with the grader's own one-process reference."""
+def collect(path: str | Path, timeout: float = 180) -> list[dict] | Verdict:
+    """Run the script on 2 ranks: its RESULT lines, or a failing verdict saying why there are none."""
     from ddp_course.launch import LaunchTimeout, run
 
     try:
@@ -127,5 +127,13 @@ def grade(path: str | Path, timeout: float = 180) -> Verdict:
     if len(found) != NPROC:
         return Verdict(False, f"the script did not finish on every rank (exit code {r.returncode}). "
                               f"Last lines:\n{_tail(r.output)}")
+    return found
+
+
+def grade(path: str | Path, timeout: float = 180) -> Verdict:
+    """Run the script on 2 ranks, then compare with the grader's own one-process reference."""
+    found = collect(path, timeout)
+    if isinstance(found, Verdict):
+        return found
     constants = harness_constants(path)
     return diagnose(found, reference_norms(constants), constants["LR"])
