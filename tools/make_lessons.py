@@ -31,7 +31,6 @@ import argparse
 import ast
 import copy
 import hashlib
-import json
 import re
 import sys
 import warnings
@@ -49,8 +48,9 @@ ANY_MARKER_RE = re.compile(r"#\s*(BEGIN SOLUTION|END SOLUTION|SOLUTION CELL)\b")
 RAISE = 'raise NotImplementedError("exercise: complete this part")'
 DEFAULT_HINT = "your code here"
 SOLUTION_ONLY_TAG = "solution-only"
-# Notebook metadata written by a run rather than by the author: not copied to the learner notebook.
-VOLATILE_NB_METADATA = ("widgets",)
+# Notebook metadata kept in the learner copy. Running a notebook rewrites the rest (language_info
+# gains the kernel's version, widgets their state), which must not make the learner copy stale.
+KEPT_NB_METADATA = ("kernelspec", "title", "authors")
 VOLATILE_CELL_METADATA = ("execution",)  # JupyterLab's per-cell run timestamps
 
 
@@ -131,7 +131,9 @@ def transform_notebook(nb, name: str = "<notebook>"):
     """The learner copy of a solution notebook (a new object; ``nb`` is not changed).
 
     Drops cells tagged ``solution-only``; in code cells, replaces solution regions and clears outputs
-    and execution counts; copies markdown and raw cells unchanged.
+    and execution counts; copies markdown and raw cells unchanged. Cell ids are derived from ``name``
+    and the cell's position, and notebook metadata is cut to the kernel and language name, so running
+    or rebuilding the solution notebook changes its learner copy only where its content changes.
     """
     nb = copy.deepcopy(nb)
     cells = []
@@ -144,10 +146,15 @@ def transform_notebook(nb, name: str = "<notebook>"):
             cell.execution_count = None
             for key in VOLATILE_CELL_METADATA:
                 cell.metadata.pop(key, None)
+        if "id" in cell:
+            cell.id = hashlib.sha1(f"{name}:{len(cells)}".encode()).hexdigest()[:8]
         cells.append(cell)
     nb.cells = cells
-    for key in VOLATILE_NB_METADATA:
-        nb.metadata.pop(key, None)
+    meta = {k: nb.metadata[k] for k in KEPT_NB_METADATA if k in nb.metadata}
+    lang = nb.metadata.get("language_info", {}).get("name")
+    if lang:
+        meta["language_info"] = {"name": lang}
+    nb.metadata = nbformat.from_dict(meta)
     return nb
 
 
@@ -155,16 +162,10 @@ def transform_notebook(nb, name: str = "<notebook>"):
 # files
 
 def load_notebook(path: Path):
-    """Read a notebook; cells without an ``id`` get one derived from the file name and position
-    (nbformat would invent random ones, and the learner copy must be byte-stable)."""
-    data = json.loads(path.read_text(encoding="utf-8"))
-    if data.get("nbformat") == 4 and data.get("nbformat_minor", 0) >= 5:
-        for index, cell in enumerate(data.get("cells", [])):
-            if not cell.get("id"):
-                cell["id"] = hashlib.sha1(f"{path.name}:{index}".encode()).hexdigest()[:8]
+    """Read a solution notebook as nbformat v4 (cells without ids are fine: the copy gets its own)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return nbformat.reads(json.dumps(data), as_version=4)
+        return nbformat.read(path, as_version=4)
 
 
 def notebook_text(nb) -> str:
