@@ -11,6 +11,7 @@ Plots, tests and the launcher's progress bar read these files; nothing scrapes l
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import resource
@@ -96,8 +97,10 @@ class MetricsWriter:
 
     def write(self, row: dict[str, Any]) -> None:
         if self._fh is not None:
-            row = {"time": round(time.time(), 3), **row}
-            self._fh.write(json.dumps(row) + "\n")
+            # strict JSON: a skipped fp16 step's inf/nan gradient norm is written as null
+            row = {"time": round(time.time(), 3),
+                   **{k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in row.items()}}
+            self._fh.write(json.dumps(row, allow_nan=False) + "\n")
 
     def close(self) -> None:
         if self._fh is not None:
