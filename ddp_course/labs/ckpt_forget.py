@@ -84,7 +84,8 @@ def main(argv: list[str]) -> int:
         print(f"error: {exc}", flush=True)
         return 2
     root, k = Path(opts["out_dir"]), opts["resume_at"]
-    shutil.rmtree(root, ignore_errors=True)
+    for name in ("uninterrupted", *(f"forget_{part}" for part in VARIANTS)):  # this lab's folders, nothing else
+        shutil.rmtree(root / name, ignore_errors=True)
     base = TrainConfig(**MODEL, dropout=opts["dropout"], max_steps=opts["max_steps"], ckpt_interval=k)
 
     ref_dir = root / "uninterrupted"

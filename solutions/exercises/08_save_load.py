@@ -159,8 +159,10 @@ def main(argv: list[str]) -> None:
         # the same training from step 0, uninterrupted and without checkpoints: what the run must equal
         model, optimizer = fresh_start(data, info)
         reference = train(data, model, optimizer, info, 0, opts, None, crash=False)
-        print("RESULT " + json.dumps({"rank": info.rank, "attempt": attempt, "start": start, "loaded": loaded,
-                                      **run, "reference": reference}), flush=True)
+        line = json.dumps({"rank": info.rank, "attempt": attempt, "start": start, "loaded": loaded, **run,
+                           "reference": reference})
+        sys.stdout.write(f"RESULT {line}\n")  # one write: the lines of two ranks cannot interleave
+        sys.stdout.flush()
 
 
 if __name__ == "__main__":
