@@ -277,7 +277,10 @@ def save(out_dir: str | os.PathLike, step: int, model, optimizer, scaler, info, 
         # dcp.save returns once every rank's part and the .metadata index are written
         if info.is_main:
             _atomic_save({**meta, "rng": rng}, tmp / META)
+            if path.is_dir():  # the same step saved again (a re-run into the same out_dir): a folder is not
+                os.replace(path, path.with_name(path.name + ".old.tmp"))  # replaced by a rename; moved aside first
             os.replace(tmp, path)
+            _remove(path.with_name(path.name + ".old.tmp"))
             _fsync_dir(d)
             _commit(path, keep_last)
     if info.is_distributed:

@@ -31,6 +31,7 @@ gradients and the optimizer states, and the tensors autograd saves during a forw
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from dataclasses import dataclass
 
@@ -53,17 +54,25 @@ class Tensor:
         return math.prod(self.shape)
 
 
+SHAPE_KEYS = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd")
+
+
 def parameter_table(shape: dict[str, int]) -> list[Tensor]:
     """MiniGPT's parameter tensors in registration order (the tied head counted once), built on ``meta``."""
+    return list(_table(tuple(shape[k] for k in SHAPE_KEYS)))
+
+
+@functools.lru_cache(maxsize=16)
+def _table(key: tuple[int, ...]) -> tuple[Tensor, ...]:
     from ddp_course.model import GPTConfig, MiniGPT
 
-    with torch.device("meta"):
-        model = MiniGPT(GPTConfig(**{k: shape[k] for k in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd")}))
+    with torch.device("meta"):  # shapes only: no memory, no initialisation worth the name
+        model = MiniGPT(GPTConfig(**dict(zip(SHAPE_KEYS, key))))
     out = []
     for name, p in model.named_parameters():  # named_parameters() skips the tied head.weight
         unit = ".".join(name.split(".")[:2]) if name.startswith("blocks.") else "root"
         out.append(Tensor(name, tuple(p.shape), unit))
-    return out
+    return tuple(out)
 
 
 def _fsdp2_states(table: list[Tensor], shard: int, s: int) -> dict[str, int]:

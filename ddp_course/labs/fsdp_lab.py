@@ -32,6 +32,7 @@ Rank 0 writes ``fsdp_lab.json`` into ``--out_dir``.
 
 from __future__ import annotations
 
+import shutil
 import statistics
 import sys
 import time
@@ -249,6 +250,9 @@ def checkpoints_across(opts: dict[str, Any], info, data, out_dir: Path) -> dict[
                 train_step(model, optimizer, None, [next(batches)], device=info.device, precision="fp32",
                            grad_clip=cfg_src.grad_clip)
             run_dir = out_dir / f"ckpt_{src}_{fmt}"
+            if info.is_main:  # a fresh folder: a re-run must not find the previous run's step 2 in the way
+                shutil.rmtree(run_dir, ignore_errors=True)
+            dist.barrier()
             shape = shape_of(cfg_src, vocab)
             saved = checkpoint.save(run_dir, 2, model, optimizer, None, info, shape, keep_last=1, fmt=fmt)
             path = checkpoint.checkpoint_path(run_dir, 2, fmt)
