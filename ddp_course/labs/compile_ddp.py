@@ -61,6 +61,7 @@ DEFAULTS: dict[str, Any] = {
     "timing": False,  # also measure compile time against steady-state step time
     "timing_steps": 10,
     "breakages": True,
+    "variants": "all",  # all, or a comma-separated subset of VARIANTS (the first, eager, is always run)
     "device": "cpu",
     "timeout_s": 120.0,
     "seed": 0,
@@ -70,6 +71,9 @@ DEFAULTS: dict[str, Any] = {
 # fault (a gradient not averaged, a stale replica) moves the loss by 1e-3 or more after one AdamW
 # step at lr 1e-3. 1e-4 separates the two.
 LOSS_ATOL = 1e-4
+
+
+VARIANTS = ("eager", "compile(DDP(model))", "DDP(compile(model))", "compile(DDP(model)), optimize_ddp=False")
 
 
 class CountingBackend:
@@ -305,7 +309,14 @@ def main(argv: list[str]) -> dict[str, Any] | None:
         data = batches(info.rank, opts["steps"], opts["micro_batch_size"], opts["block_size"], opts["seed"])
         result: dict[str, Any] = {"torch": torch.__version__, "world_size": info.world_size, "options": opts}
         variants, section_s = {}, {}
-        for name in ("eager", "compile(DDP(model))", "DDP(compile(model))", "compile(DDP(model)), optimize_ddp=False"):
+        chosen = VARIANTS if opts["variants"] == "all" else ("eager", *(
+            v.strip() for v in opts["variants"].split(",") if v.strip() and v.strip() != "eager"))
+        unknown = [v for v in chosen if v not in VARIANTS]
+        if unknown or (opts["breakages"] and "compile(DDP(model))" not in chosen):
+            print(f"error: --variants must name some of {', '.join(VARIANTS)} (and include compile(DDP(model)) "
+                  f"when --breakages=true); got {opts['variants']!r}", file=sys.stderr)
+            raise SystemExit(2)
+        for name in chosen:
             t0 = time.perf_counter()
             res, model = variant(name, opts, data, rec)
             section_s[name] = time.perf_counter() - t0

@@ -20,12 +20,16 @@ import torch
 from ddp_course.labs._flags import FlagError, parse_flags
 
 VOCAB = 65  # the course's character vocabulary; the labs that need tokens use random ids or the corpus
+# Joining the process group waits for every rank to start; on a busy machine starting Python and torch
+# can take many seconds, so the rendezvous gets a generous timeout. The programs that hang on purpose
+# run their collectives in a group of their own with the short ``--timeout_s``.
+INIT_TIMEOUT_S = 60.0
 
 
 def flags(argv: list[str], defaults: dict[str, Any], prog: str) -> dict[str, Any]:
     """Parse ``--key=value`` strictly; a bad flag prints one paragraph and exits with status 2."""
     try:
-        return parse_flags(argv, {"out_dir": "runs/broken", "timeout_s": 5.0, **defaults}, prog)
+        return parse_flags(argv, {"out_dir": "runs/broken", "timeout_s": INIT_TIMEOUT_S, **defaults}, prog)
     except FlagError as exc:
         print(f"error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
@@ -63,6 +67,19 @@ class Record:
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text(json.dumps(self.data, indent=1, default=str), encoding="utf-8")
         os.replace(tmp, self.path)
+
+
+def short_group(timeout_s: float):
+    """A process group of all ranks whose collectives give up after ``timeout_s`` seconds.
+
+    Created right after the (generously timed) rendezvous, when every rank is present, so only the
+    collectives issued on it -- the bug -- run against the short timeout.
+    """
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    return dist.new_group(timeout=timedelta(seconds=timeout_s))
 
 
 def tiny_model(seed: int = 0, n_embd: int = 32) -> torch.nn.Module:

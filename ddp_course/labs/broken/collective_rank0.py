@@ -16,7 +16,9 @@ and the job reports the mean over all ranks. Twice:
 
    Collectives are matched by the order each rank issues them, so rank 0's all-reduce and the other
    ranks' barrier can never complete each other. Nothing fails until the process group's timeout
-   (``--timeout_s``) ends the wait on every rank.
+   (``--timeout_s``) ends the wait on every rank. (The collectives run in a group made right after
+   the rendezvous with that short timeout; joining gets a generous one, since a busy machine can
+   take many seconds to start every rank.)
 
 Before each collective a rank notes which one it is entering (``in_collective``) in its record
 ``rank<R>.json``; the error that ended the wait is noted too. With ``TORCH_DISTRIBUTED_DEBUG=DETAIL``
@@ -33,7 +35,7 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from ddp_course.dist import log, setup
-from ddp_course.labs.broken._common import Record, flags, tiny_model, token_batch
+from ddp_course.labs.broken._common import INIT_TIMEOUT_S, Record, flags, short_group, tiny_model, token_batch
 
 PROG = "torchrun --standalone --nproc_per_node=2 -m ddp_course.labs.broken.collective_rank0"
 
@@ -52,10 +54,11 @@ def local_stats(rank: int, world: int, n_batches: int = 4) -> torch.Tensor:
 
 @record  # if this rank fails, torchrun's error file carries its traceback
 def main(argv: list[str]) -> None:
-    opts = flags(argv, {"variant": "both"}, PROG)
+    opts = flags(argv, {"variant": "both", "timeout_s": 5.0}, PROG)
     if opts["variant"] not in ("both", "fixed", "broken"):
         raise SystemExit("error: --variant must be both, fixed or broken")
-    with setup(device="cpu", timeout_s=opts["timeout_s"], threads=1) as info:
+    with setup(device="cpu", timeout_s=INIT_TIMEOUT_S, threads=1) as info:
+        group = short_group(opts["timeout_s"])  # the collectives below give up after --timeout_s
         rec = Record(opts["out_dir"], info.rank)
         rec.note(world_size=info.world_size, timeout_s=opts["timeout_s"])
         stats = local_stats(info.rank, info.world_size)
@@ -64,9 +67,9 @@ def main(argv: list[str]) -> None:
         if opts["variant"] in ("both", "fixed"):
             fixed = stats.clone()
             rec.note(in_collective="all_reduce", phase="fixed")
-            dist.all_reduce(fixed)  # every rank: the collectives match
+            dist.all_reduce(fixed, group=group)  # every rank: the collectives match
             rec.note(in_collective="barrier")
-            dist.barrier()
+            dist.barrier(group=group)
             rec.note(in_collective=None, fixed_global_mean_loss=(fixed[0] / fixed[1]).item(), fixed_completed=True)
             log(f"[fixed] global mean loss {(fixed[0] / fixed[1]).item():.4f} over {int(fixed[1])} batches")
 
@@ -76,9 +79,9 @@ def main(argv: list[str]) -> None:
             try:
                 if info.rank == 0:  # THE BUG: a collective only one rank calls
                     rec.note(in_collective="all_reduce")
-                    dist.all_reduce(broken)
+                    dist.all_reduce(broken, group=group)
                 rec.note(in_collective="barrier")
-                dist.barrier()
+                dist.barrier(group=group)
                 rec.note(in_collective=None, broken_completed=True)
             except Exception as exc:
                 rec.error(exc, where=rec.data["in_collective"])

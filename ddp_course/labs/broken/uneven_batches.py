@@ -7,7 +7,8 @@ The dataset is split by hand, ``indices[rank::world_size]``, and loaded with ``d
 one sample) and rank 1 gets 12 (3 batches). Every backward of a DDP model all-reduces the gradients,
 so rank 0's fourth backward waits for a partner that has already left the loop -- here for the
 ``barrier`` before saving a checkpoint. Neither can finish: the job hangs until the process-group
-timeout (``--timeout_s``).
+timeout (``--timeout_s``; DDP and the barrier use a group made with that short timeout right after
+the rendezvous).
 
 Three variants, in this order:
 
@@ -33,7 +34,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 
 from ddp_course.dist import log, setup
-from ddp_course.labs.broken._common import Record, flags, tiny_model, token_batch
+from ddp_course.labs.broken._common import INIT_TIMEOUT_S, Record, flags, short_group, tiny_model, token_batch
 
 PROG = "torchrun --standalone --nproc_per_node=2 -m ddp_course.labs.broken.uneven_batches"
 
@@ -65,9 +66,10 @@ def epoch(model, loader, rec: Record, variant: str) -> int:
 
 @record
 def main(argv: list[str]) -> None:
-    opts = flags(argv, {"n": 25, "batch": 4, "variant": "all"}, PROG)
+    opts = flags(argv, {"n": 25, "batch": 4, "variant": "all", "timeout_s": 5.0}, PROG)
     variants = ("fixed", "join", "broken") if opts["variant"] == "all" else (opts["variant"],)
-    with setup(device="cpu", timeout_s=opts["timeout_s"], threads=1) as info:
+    with setup(device="cpu", timeout_s=INIT_TIMEOUT_S, threads=1) as info:
+        group = short_group(opts["timeout_s"])  # DDP's all-reduces and the barrier give up after --timeout_s
         rec = Record(opts["out_dir"], info.rank)
         ds = Windows(opts["n"])
         shard = list(range(len(ds)))[info.rank::info.world_size]  # a hand-made shard: uneven when n % W != 0
@@ -75,7 +77,7 @@ def main(argv: list[str]) -> None:
             loader = DataLoader(ds, batch_size=opts["batch"], sampler=shard, drop_last=(variant == "fixed"))
             rec.note(**{variant: {"samples": len(shard), "batches": len(loader)}}, phase=variant)
             log(f"[{variant}] rank {info.rank}: {len(shard)} samples, {len(loader)} batches", all_ranks=True)
-            model = DDP(tiny_model())
+            model = DDP(tiny_model(), process_group=group)
             where = "training loop"
             try:
                 if variant == "join":
@@ -85,7 +87,7 @@ def main(argv: list[str]) -> None:
                     n_done = epoch(model, loader, rec, variant)
                 where = "barrier"
                 rec.note(in_call="barrier")
-                dist.barrier()  # "everyone done? then rank 0 saves"
+                dist.barrier(group=group)  # "everyone done? then rank 0 saves"
                 rec.note(in_call=None, **{f"{variant}_completed": True, f"{variant}_batches_done": n_done})
                 log(f"[{variant}] rank {info.rank}: finished {n_done} batches, passed the barrier", all_ranks=True)
             except Exception as exc:

@@ -35,7 +35,7 @@ WORLD_SIZE = 4  # "we train on a 4-GPU machine" -- THE BUG when the job is launc
 
 @record  # if this rank fails, torchrun's error file carries its traceback
 def main(argv: list[str]) -> None:
-    opts = flags(argv, {"variant": "broken"}, PROG)
+    opts = flags(argv, {"variant": "broken", "timeout_s": 5.0}, PROG)
     if opts["variant"] not in ("fixed", "broken"):
         raise SystemExit("error: --variant must be fixed or broken")
     rank = int(os.environ["RANK"])
