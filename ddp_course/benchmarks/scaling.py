@@ -30,7 +30,9 @@ times backward inside ``no_sync()`` (no all-reduce at all), alternating with the
     waiting on communication = backward (synchronised) - backward (inside no_sync)
 
 and, for scale, one all-reduce of the whole gradient (the fastest of 20): the communication there
-would be if none of it overlapped. Each phase is the median over ``--phase_steps`` steps, from the
+would be if none of it overlapped. DDP's own timers (``_get_ddp_logging_data()``: forward, backward
+compute, backward communication and their overlap, sampled by DDP on some iterations) are stored
+beside them as a second opinion. Each phase is the median over ``--phase_steps`` steps, from the
 slowest rank (a step ends when the last rank is done).
 
 Each process uses ``--threads`` CPU threads (default 1), so n processes want n cores: on a machine
@@ -212,7 +214,8 @@ def time_phases(cfg, info, n_steps: int) -> dict[str, Any]:
         "data": med(True, "data"),
         "forward": med(True, "forward"),
         "backward_compute": med(False, "backward"),
-        "comm_wait": max(0.0, med(True, "backward") - med(False, "backward")),
+        # no DDP, no communication: one process's two kinds of steps are the same step
+        "comm_wait": max(0.0, med(True, "backward") - med(False, "backward")) if is_ddp else 0.0,
         "optimizer": med(True, "optimizer"),
         "step": med(True, "step"),
         "backward_synchronised": med(True, "backward"),
@@ -231,6 +234,13 @@ def time_phases(cfg, info, n_steps: int) -> dict[str, Any]:
             if i >= 2:  # the first calls set up buffers
                 allreduce.append(time.perf_counter() - t0)
     local["allreduce_full_gradient"] = min(allreduce) if allreduce else 0.0
+    # DDP's own timers (the reducer samples some iterations): a second opinion on the same phases
+    if is_ddp:
+        data_ = model._get_ddp_logging_data()
+        for key in ("avg_forward_compute_time", "avg_backward_compute_time", "avg_backward_comm_time",
+                    "avg_backward_compute_comm_overlap_time"):
+            if key in data_:
+                local[f"ddp_{key}"] = data_[key] / 1e9  # nanoseconds -> seconds
     keys = list(local)
     if info.is_distributed:  # the slowest rank decides how long a step takes
         t = torch.tensor([local[k] for k in keys], dtype=torch.float64, device=device)
@@ -292,7 +302,7 @@ def run_bench(opts: dict[str, Any]) -> dict[str, Any]:
         (out_dir / "worker.json").unlink(missing_ok=True)
         try:
             r = run(MODULE, nproc=n, out_dir=out_dir, timeout=opts["timeout_s"], progress=False, echo="none",
-                    use_torchrun=True, worker=True, **worker_opts)
+                    use_torchrun=n > 1, worker=True, **worker_opts)  # one process: no agent, no process group
         except LaunchError as exc:
             raise BenchError(f"the job with {n} process(es) failed: {exc}") from None
         path = out_dir / "worker.json"
@@ -315,6 +325,10 @@ def run_bench(opts: dict[str, Any]) -> dict[str, Any]:
                                 "speedup": speedup, "efficiency": speedup / job["nproc"],
                                 "oversubscribed": job["oversubscribed"], "final_loss": run_["final_loss"]})
     phases = [{"nproc": job["nproc"], **{k: v for k, v in job["phases"].items()}} for job in jobs]
+    # Strong scaling keeps the global batch: every run trains the same model on the same samples, so
+    # the losses agree up to float32 summation order (a check that the runs did the same work).
+    strong_losses = [r["final_loss"] for r in table["strong"]]
+    strong_gap = max(strong_losses) - min(strong_losses)
 
     print()
     print(f"{'scaling':<7} {'procs':>5} {'per rank':>8} {'global':>6} {'tokens/s':>10} {'speedup':>8} {'efficiency':>10}")
@@ -328,8 +342,10 @@ def run_bench(opts: dict[str, Any]) -> dict[str, Any]:
     for p in phases:
         print(f"{p['nproc']:>5} " + " ".join(f"{p[k] * 1e3:>16.2f}" for k in PHASES) + f" {p['step'] * 1e3:>8.2f}  "
               f"{p['allreduce_full_gradient'] * 1e3:>12.2f}")
+    print(f"\nstrong scaling: final losses {', '.join(f'{v:.6f}' for v in strong_losses)} "
+          f"(largest difference {strong_gap:.1e}: the same global batch trains the same model)")
     result = {"bench": NAME, "options": opts, "cpu_count": cores, "weak": table["weak"], "strong": table["strong"],
-              "phases": phases, "jobs": jobs,
+              "phases": phases, "jobs": jobs, "strong_final_loss_gap": strong_gap,
               "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None, "environment": environment()}
     base.mkdir(parents=True, exist_ok=True)
     (base / f"{NAME}.json").write_text(json.dumps(result, indent=1), encoding="utf-8")
