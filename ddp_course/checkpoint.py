@@ -541,15 +541,16 @@ def restore_rng_after_first(batches, meta: dict[str, Any], info):
 
 
 def fingerprint(model, optimizer=None) -> str:
-    """A short SHA-256 of the unwrapped model's tensors (and the optimizer's state, if given), bit for bit.
+    """A short SHA-256 of the model's full tensors (and the optimizer's state, if given), bit for bit.
 
     Two fingerprints are equal only if every parameter (and every AdamW moment and step count) is
-    identical to the last bit; the names are the unwrapped ones, so a DDP model and a plain model
-    holding the same numbers agree. For replicated models (single, DDP): FSDP shards would differ by rank.
+    identical to the last bit. Entries are keyed by unwrapped names and taken as full tensors, so a
+    plain, a DDP and an FSDP model holding the same numbers agree. A collective for a sharded model
+    (FSDP gathers the full tensors): every rank calls it.
     """
     import hashlib
 
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
     h = hashlib.sha256()
 
@@ -568,19 +569,8 @@ def fingerprint(model, optimizer=None) -> str:
         else:
             h.update(repr(obj).encode())
 
-    feed(get_model_state_dict(model))
-    if optimizer is not None:
-        feed(optimizer.state_dict()["state"])  # by parameter index: the same order wrapped or not
+    full = StateDictOptions(full_state_dict=True)
+    feed(get_model_state_dict(model, options=full))
+    if optimizer is not None and optimizer.state:  # (an empty state would be initialised by the call)
+        feed(get_optimizer_state_dict(model, optimizer, options=full)["state"])
     return h.hexdigest()[:16]
-
-
-def sharded_layout(path: str | os.PathLike) -> dict[str, list[str]]:
-    """Which file of a sharded checkpoint holds which entry: ``{"__0_0.distcp": ["model.tok_emb.weight", ...]}``.
-
-    Read from DCP's index (``.metadata``) with the restricted unpickler; no process group needed.
-    """
-    metadata = _read_dcp_metadata(Path(path))
-    layout: dict[str, list[str]] = {}
-    for index, info in (metadata.storage_data or {}).items():
-        layout.setdefault(info.relative_path, []).append(index.fqn)
-    return {k: sorted(v) for k, v in sorted(layout.items())}
