@@ -15,6 +15,7 @@ The course's grader runs it the same way, with 2 and 3 processes:
 """
 
 import json
+import sys
 
 import torch
 import torch.distributed as dist
@@ -64,8 +65,10 @@ def main() -> None:
         ok = abs(result - ref.item()) < 1e-6  # float32 losses summed in a different order: ~1e-7 apart
         log(f"{len(mine)} windows here; global mean {result:.6f}, reference {ref.item():.6f} -> "
             f"{'PASS' if ok else 'FAIL'}", all_ranks=True)
-        print("RESULT " + json.dumps({"rank": info.rank, "result": result, "reference": ref.item(), "ok": ok}),
-              flush=True)
+        # one write per line, so that lines of different ranks cannot interleave in the shared pipe
+        sys.stdout.write("RESULT " + json.dumps({"rank": info.rank, "result": result, "reference": ref.item(),
+                                                 "ok": ok}) + "\n")
+        sys.stdout.flush()
     raise SystemExit(0 if ok else 1)
 
 
