@@ -506,6 +506,7 @@ def ddp_vs_threads(opts: dict[str, Any]) -> dict[str, Any]:
     print(f"[ddp_vs_threads] {label['ddp']} (micro batch {opts['batch'] // n}) vs {label['threads']} "
           f"(micro batch {opts['batch']}); {opts['steps']} steps, {opts['repeats']} run(s) each; "
           f"runs in {base_dir}", flush=True)
+    load_at_start = _load()
     runs = []
     for r in range(opts["repeats"]):
         order = ("ddp", "threads") if r % 2 == 0 else ("threads", "ddp")
@@ -535,9 +536,18 @@ def ddp_vs_threads(opts: dict[str, Any]) -> dict[str, Any]:
     print(f"{label['threads']:<26}  {thr_med:>17,.0f}")
     print(f"\nDDP / threads = {ratio:.3f}: DDP is {'not slower' if not_slower else 'slower'} "
           f"on this machine ({os.cpu_count()} CPU(s) visible)")
+    spreads = [_spread([x["tokens_per_s"] for x in runs if x["kind"] == k]) for k in kinds]
+    cores = os.cpu_count() or 1
+    busy = (load_at_start is not None and load_at_start[0] > 0.5 * cores) or max(spreads) > NOISY
+    if busy:
+        print(f"warning: the machine was busy (load average {load_at_start} at the start on {cores} CPU(s); "
+              f"spread between repeats {max(spreads):.0%}). Other processes on the same cores stall the "
+              "multi-threaded run's OpenMP barriers and the DDP ranks' collectives differently, so the "
+              "ratio can swing either way: rerun on an idle machine with --repeats=3.")
     result = {"bench": "ddp_vs_threads", "options": opts, "runs": runs, "ddp_tokens_per_s": ddp_med,
               "threads_tokens_per_s": thr_med, "ratio": ratio, "ddp_not_slower": not_slower,
-              "cpu_count": os.cpu_count(), "load_average": _load(), "environment": environment()}
+              "cpu_count": os.cpu_count(), "load_average_at_start": load_at_start, "load_average_at_end": _load(),
+              "repeat_spread": max(spreads), "noisy": busy, "environment": environment()}
     _write_result(opts, "ddp_vs_threads", result)
     return result
 

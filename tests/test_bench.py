@@ -34,7 +34,7 @@ def test_overhead_tiny(tmp_path, keep_threads):
                     n_batches=4, threads=1, out=tmp_path)
     on_disk = json.loads((tmp_path / "overhead.json").read_text())
     for key in ("rounds", "course_tokens_per_s_median", "hand_tokens_per_s_median", "ratio", "ratio_paired_median",
-                "target", "pass", "same_work_check", "options", "environment"):
+                "target", "pass", "same_work_check", "noisy", "ratio_cpu_time", "options", "environment"):
         assert key in on_disk, key
     assert len(on_disk["rounds"]) == 3
     assert [r["first"] for r in on_disk["rounds"]] == ["course", "hand", "course"]
@@ -53,7 +53,7 @@ def test_ddp_vs_threads_tiny(tmp_path):
     on_disk = json.loads((tmp_path / "ddp_vs_threads.json").read_text())
     assert on_disk["ddp_tokens_per_s"] > 0 and on_disk["threads_tokens_per_s"] > 0
     assert on_disk["ratio"] > 0 and on_disk["ratio"] == pytest.approx(res["ratio"])
-    assert isinstance(on_disk["ddp_not_slower"], bool)
+    assert isinstance(on_disk["ddp_not_slower"], bool) and isinstance(on_disk["noisy"], bool)
     assert sorted(r["kind"] for r in on_disk["runs"]) == ["ddp", "threads"]
     for run in on_disk["runs"]:  # each run's own summary.json sits under the bench output folder
         summary = json.loads((tmp_path / "ddp_vs_threads" / f"{run['kind']}_1" / "summary.json").read_text())
