@@ -574,3 +574,15 @@ def fingerprint(model, optimizer=None) -> str:
     if optimizer is not None and optimizer.state:  # (an empty state would be initialised by the call)
         feed(get_optimizer_state_dict(model, optimizer, options=full)["state"])
     return h.hexdigest()[:16]
+
+
+def sharded_layout(path: str | os.PathLike) -> dict[str, list[str]]:
+    """Which file of a sharded checkpoint holds which entry: ``{"__0_0.distcp": ["model.tok_emb.weight", ...]}``.
+
+    Read from DCP's index (``.metadata``) with the restricted unpickler; no process group needed.
+    """
+    metadata = _read_dcp_metadata(Path(path))
+    layout: dict[str, list[str]] = {}
+    for index, info in (metadata.storage_data or {}).items():
+        layout.setdefault(info.relative_path, []).append(index.fqn)
+    return {k: sorted(v) for k, v in sorted(layout.items())}
