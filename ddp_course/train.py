@@ -52,7 +52,9 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.devi
         if p.requires_grad:
             (decay if parallel.ndim(p) >= 2 else no_decay).append(p)
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    fused = device.type == "cuda"  # one kernel for the whole update; the foreach path elsewhere
+    # fused on CUDA: one kernel for the whole update. On CPU, PyTorch's default path (one tensor at a
+    # time) is kept, so CPU results stay comparable across the torch versions the course supports.
+    fused = device.type == "cuda"
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), fused=fused)
 
 
