@@ -89,7 +89,7 @@ class TrainConfig:
     # --- FSDP (lesson 09) --------------------------------------------------------------------
     reshard_after_forward: bool = True  # FSDP: free each block's gathered parameters after its forward (ZeRO-3); false keeps them for backward (ZeRO-2-like)
     fsdp_mixed_precision: bool = False  # FSDP: compute with bf16 copies of the parameters, reduce gradients in fp32 (MixedPrecisionPolicy)
-    fsdp_shard_size: int = 0  # FSDP: ranks that share one copy of the model; 0 = all ranks; a divisor of the world size = hybrid (replicate x shard)
+    fsdp_shard_size: int = 0  # FSDP: ranks that split one copy of the model between them; 0 = all ranks; a divisor of the world size = hybrid (replicate x shard)
     fsdp_cpu_offload: bool = False  # FSDP: keep the sharded parameters, gradients and optimizer states in CPU memory (needs a GPU)
 
     def __post_init__(self) -> None:

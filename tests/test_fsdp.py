@@ -167,14 +167,15 @@ def test_train_fsdp_resumes_a_plain_checkpoint_and_a_plain_model_loads_its_own(t
     # one process, global batch 8: saves at steps 2 and 4, and final.pt
     plain = run("ddp_course.train", nproc=1, out_dir=tmp_path / "plain", timeout=120, progress=False, echo="none",
                 strategy="single", micro_batch_size=8, **common)
-    # FSDP on 2 ranks x 4 sequences (the same 8 sequences per step) resumes from the one-process step 2
+    # FSDP on 2 ranks x 2 micro-batches of 2 sequences (the same 8 sequences per step; the first micro-step
+    # inside set_requires_gradient_sync(False), FSDP2's no_sync) resumes from the one-process step 2
     src = checkpoint.checkpoint_path(tmp_path / "plain", 2, "sharded")
     dst = checkpoint.ckpt_dir(tmp_path / "fsdp")
     dst.mkdir(parents=True)
     shutil.copytree(src, dst / src.name)
     (dst / checkpoint.POINTER).write_text(src.name + "\n")
     fsdp = run("ddp_course.train", nproc=2, out_dir=tmp_path / "fsdp", timeout=150, progress=False, echo="none",
-               strategy="fsdp", micro_batch_size=4, resume=True, grad_accum_steps=1, sample_tokens=8, **common)
+               strategy="fsdp", micro_batch_size=2, resume=True, grad_accum_steps=2, sample_tokens=8, **common)
     want = {r["step"]: r["loss"] for r in plain.train_rows if r["step"] > 2}
     got = {r["step"]: r["loss"] for r in fsdp.train_rows}
     assert sorted(got) == [3, 4] and got == pytest.approx(want, rel=1e-5)  # fp32, another summation order
