@@ -81,6 +81,9 @@ def test_sharded_checkpoint_has_a_part_from_every_rank(runs):
     names = {p.name for p in d.iterdir()}
     assert {".metadata", checkpoint.META, "__0_0.distcp", "__1_0.distcp"} <= names
     assert all((d / f"__{r}_0.distcp").stat().st_size > 0 for r in (0, 1))  # both ranks wrote tensors
+    layout = checkpoint.sharded_layout(d)  # DCP wrote each entry of the replicated state once, on one rank
+    assert set(layout) == {"__0_0.distcp", "__1_0.distcp"} and not set(layout["__0_0.distcp"]) & set(layout["__1_0.distcp"])
+    assert {"model.tok_emb.weight", "optimizer.state.tok_emb.weight.exp_avg"} <= {e for v in layout.values() for e in v}
     meta = checkpoint.load(d)
     assert meta["world_size"] == 2 and meta["step"] == 10 and len(meta["rng"]) == 2
     assert meta["position"] == {"samples": 10 * 2 * TINY["micro_batch_size"], "micro_batches": 10,
