@@ -79,7 +79,8 @@ def dataloader(result: dict[str, Any]):
     ax.set_ylabel("ms per batch (median of rounds)")
     ax.set_title(f"DataLoader settings ({result['cpu_count']} core(s))")
     ax.grid(axis="y", alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.margins(y=0.45)
+    ax.legend(fontsize=8, loc="upper left", ncol=2)
     fig.tight_layout()
     return fig
 

@@ -192,7 +192,8 @@ def count_new(rec: Recompiles, fn) -> dict[str, Any]:
     try:
         fn()
     except Exception as exc:  # noqa: BLE001 -- a breakage is a result here, reported as data
-        error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0]}"
+        lines = [ln.strip() for ln in str(exc).strip().splitlines() if ln.strip()]
+        error = f"{type(exc).__name__}: {' '.join(lines[:2])[:300]}"
     return {"new_graphs": graphs() - g0, "reasons": rec.reasons(r0), "error": error}
 
 
