@@ -350,3 +350,28 @@ def test_grader_diagnoses_each_missing_part():
     assert not v.ok and "started again from step 0" in v.message
     v = g08.diagnose([{**row, "final": "g"} for row in _results()])
     assert not v.ok and "in the final parameters" in v.message
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("fmt", checkpoint.FORMATS)
+def test_cuda_state_round_trip(tmp_path, fmt):
+    # A model on the GPU: the GPU's generator is saved with the CPU's, and the checkpoint (written from CPU
+    # copies) loads back onto the GPU.
+    gpu = DistInfo(device=torch.device("cuda", 0))
+    model, opt = _fresh(SHAPE)
+    model.cuda()
+    opt = build_optimizer(model, TrainConfig(), gpu.device)
+    x = torch.randint(0, SHAPE["vocab_size"], (2, SHAPE["block_size"]), device=gpu.device)
+    model(x, x)[1].backward()
+    opt.step()
+    torch.cuda.manual_seed(5)
+    checkpoint.save(tmp_path, 1, model, opt, None, gpu, SHAPE, fmt=fmt)
+    want, draw = checkpoint.fingerprint(model, opt), torch.rand(4, device=gpu.device)
+    assert "cuda" in checkpoint.load(checkpoint.latest(tmp_path))["rng"][0]  # (a sharded folder: its meta.pt)
+    model2, _ = _fresh(SHAPE, seed=3)
+    model2.cuda()
+    opt2 = build_optimizer(model2, TrainConfig(), gpu.device)
+    checkpoint.resume(checkpoint.latest(tmp_path), model2, opt2, None, gpu, SHAPE)
+    assert next(model2.parameters()).is_cuda and checkpoint.fingerprint(model2, opt2) == want
+    assert torch.equal(torch.rand(4, device=gpu.device), draw)
