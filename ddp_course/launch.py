@@ -270,7 +270,12 @@ def run(module: str = TRAIN_MODULE, nproc: int = 2, *, out_dir: str | os.PathLik
         target = [str(Path(module).resolve())] if is_script(module) else ["-m", module]
         cmd = [sys.executable, *target, *args]
     threads = str(max(1, cpu_count() // nproc))
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": threads, _JOB_VAR: job_id, **(env or {})}
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": threads, _JOB_VAR: job_id}
+    if any(a.startswith("--max-restarts") or a.startswith("--max_restarts") for a in torchrun_args or []):
+        # Restarted workers would otherwise reuse torchrun's rendezvous store, which still holds the
+        # first attempt's addresses, and fail to connect (lesson 08 shows it).
+        full_env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    full_env.update(env or {})
     if out_path is not None:
         out_path.mkdir(parents=True, exist_ok=True)
         for stale in ("metrics.jsonl", "summary.json"):  # a re-run must not show the last run's numbers

@@ -282,7 +282,8 @@ def run_training(cfg: TrainConfig, info: DistInfo) -> dict:
     if info.is_main:
         write_json(out_dir / "summary.json", summary)
         log(f"[ddp_course] done: {steps_run} steps in {wall:.1f}s, {tokens_per_s:,.0f} tokens/s, "
-            f"final loss {loss_avg:.4f}, val_loss {val_loss:.4f}; wrote {out_dir}/summary.json")
+            f"final loss {loss_avg:.4f}, val_loss {val_loss if val_loss is None else round(val_loss, 4)}; "
+            f"wrote {out_dir}/summary.json")
     metrics.close()
     return summary
 
