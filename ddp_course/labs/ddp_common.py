@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-import difflib
 import json
 import time
 from collections import Counter
@@ -24,39 +23,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
-
-
-class FlagError(ValueError):
-    """A bad command-line option. The message lists the valid options."""
-
-
-def parse_flags(argv: list[str], defaults: dict[str, Any], prog: str) -> dict[str, Any]:
-    """``defaults`` updated from ``--key=value`` arguments, each converted to its default's type."""
-    values = dict(defaults)
-    valid = ", ".join(f"--{k}={v}" for k, v in defaults.items())
-    for arg in argv:
-        if not arg.startswith("--") or "=" not in arg:
-            raise FlagError(f"{prog}: unexpected argument {arg!r}. Options are written --key=value; "
-                            f"the options and their defaults are: {valid}.")
-        key, value = arg[2:].split("=", 1)
-        key = key.replace("-", "_")
-        if key not in defaults:
-            close = difflib.get_close_matches(key, list(defaults), n=2)
-            hint = f" Did you mean {' or '.join('--' + c for c in close)}?" if close else ""
-            raise FlagError(f"{prog}: unknown option --{key}.{hint} The options and their defaults are: {valid}.")
-        default = defaults[key]
-        try:
-            if isinstance(default, bool):
-                if value.lower() not in _TRUE + _FALSE:
-                    raise ValueError(value)
-                values[key] = value.lower() in _TRUE
-            else:
-                values[key] = type(default)(value)
-        except ValueError:
-            raise FlagError(f"{prog}: --{key} expects a {type(default).__name__} (got {value!r}), "
-                            f"e.g. --{key}={default}.") from None
-    return values
+from ddp_course.labs._flags import FlagError, parse_flags  # noqa: F401  (re-exported for the labs)
 
 
 def float_list(text: str, name: str) -> list[float]:
