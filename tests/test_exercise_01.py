@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from ddp_course.check import grade
-
 from conftest import ROOT
+
+from ddp_course.check import grade
 
 SOLUTION = ROOT / "solutions" / "exercises" / "01_global_val_loss.py"
 

@@ -12,11 +12,10 @@ import uuid
 from pathlib import Path
 
 import pytest
+from conftest import ROOT, TINY
 
 from ddp_course.config import ConfigError
 from ddp_course.launch import LaunchError, LaunchTimeout, run
-
-from conftest import ROOT, TINY
 
 
 def tagged_processes(tag: str) -> list[int]:
