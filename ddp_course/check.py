@@ -34,7 +34,19 @@ def results(output: str) -> list[dict]:
     """The ``RESULT {json}`` lines an exercise script printed (one per rank)."""
     import json
 
-    return [json.loads(line[len("RESULT "):]) for line in output.splitlines() if line.startswith("RESULT ")]
+    decoder = json.JSONDecoder()
+    found = []
+    for line in output.splitlines():
+        # Usually one per line; tolerate two ranks' lines glued together ("RESULT {..}RESULT {..}").
+        start = line.find("RESULT {")
+        while start >= 0:
+            try:
+                obj, end = decoder.raw_decode(line, start + len("RESULT "))
+            except json.JSONDecodeError:
+                break
+            found.append(obj)
+            start = line.find("RESULT {", end)
+    return found
 
 
 def attention(fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]) -> Verdict:

@@ -21,6 +21,7 @@ and explains what is wrong:
 
 import contextlib
 import json
+import sys
 
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -80,8 +81,9 @@ def main() -> None:
                           "synced_micro_steps": counter.synced_micro_steps, "bucket_all_reduces": counter.calls,
                           "forwards": counter.forwards, "replica_max_diff": spread, "param_grad_norms": norms,
                           **got})
-        print("RESULT " + json.dumps({"rank": info.rank, "world_size": info.world_size, "data": data,
-                                      "n_buckets": n_buckets, "cases": cases, "ok": ok}), flush=True)
+        sys.stdout.write("RESULT " + json.dumps({"rank": info.rank, "world_size": info.world_size, "data": data,
+                                      "n_buckets": n_buckets, "cases": cases, "ok": ok}) + "\n")  # one write: the lines of two ranks cannot interleave
+        sys.stdout.flush()
     raise SystemExit(0 if ok else 1)
 
 

@@ -18,6 +18,7 @@ same way, compares with a reference of its own and explains what is wrong:
 """
 
 import json
+import sys
 
 import torch
 import torch.nn as nn
@@ -89,9 +90,10 @@ def main() -> None:
         log(f"local parameter bytes {mine:,} of {total:,} ({mine / total:.1%}); blocks sharded {units['blocks']}, "
             f"root {units['root']}; max |param - DDP| after {STEPS} steps {diff:.2e} -> {'PASS' if ok else 'FAIL'}",
             all_ranks=True)
-        print("RESULT " + json.dumps({"rank": info.rank, "world_size": info.world_size, "total_bytes": total,
+        sys.stdout.write("RESULT " + json.dumps({"rank": info.rank, "world_size": info.world_size, "total_bytes": total,
                                       "local_bytes": mine, "units": units, "plain_params": plain, "losses": losses,
-                                      "max_abs_diff_vs_ddp": diff, "param_norms": norms, "ok": ok}), flush=True)
+                                      "max_abs_diff_vs_ddp": diff, "param_norms": norms, "ok": ok}) + "\n")  # one write: the lines of two ranks cannot interleave
+        sys.stdout.flush()
     raise SystemExit(0 if ok else 1)
 
 
