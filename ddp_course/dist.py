@@ -10,9 +10,12 @@ Nothing here changes global state at import time.
 
 from __future__ import annotations
 
+import atexit
+import gc
 import os
 import random
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -119,8 +122,9 @@ def setup(device: str = "auto", timeout_s: float = 120.0, threads: int = 0) -> I
     if not distributed:
         reason = reason.replace(" with gloo", "").replace(" with NCCL", "") + " (one process, no process group)"
     else:
-        dist.init_process_group(backend=backend, rank=rank, world_size=world_size,
-                                timeout=timedelta(seconds=timeout_s))
+        with clean_exit():
+            dist.init_process_group(backend=backend, rank=rank, world_size=world_size,
+                                    timeout=timedelta(seconds=timeout_s))
     info = DistInfo(rank=rank, local_rank=local_rank, world_size=world_size,
                     local_world_size=local_world_size, device=torch_device,
                     backend=backend if distributed else None, device_reason=reason)
@@ -128,7 +132,110 @@ def setup(device: str = "auto", timeout_s: float = 120.0, threads: int = 0) -> I
         yield info
     finally:
         if dist.is_available() and dist.is_initialized():
+            _hold_groups()  # the groups made since (a device mesh's) are released in order at exit too
             dist.destroy_process_group()
+
+
+# --- A clean exit (workaround for PyTorch; the one place it lives) -----------------------------
+#
+# What went wrong: about one finished 2-rank gloo job in ten died *after* its last line with
+# "terminate called without an active exception" (SIGABRT, exit -6). A backtrace of the dying
+# thread shows a gloo worker ("pt_gloo_runloop") destroying a finished all-reduce while the main
+# thread is already in Py_FinalizeEx:
+#
+#   ProcessGroupGloo::runLoop -> ~AsyncAllreduceWork -> ~ThreadLocalState -> SafePyObject decref
+#   -> gil_scoped_acquire -> take_gil -> PyThread_exit_thread -> forced unwind -> std::terminate
+#
+# 1. Every backward stashes a Python object (a contextvars.Context) in the thread-local state
+#    (torch.autograd.graph._engine_run_backward). DDP's and FSDP's gradient collectives start
+#    *during* backward, so each such work captures that object, and the gloo worker that ran it
+#    drops it afterwards, which needs the GIL. A worker that asks for the GIL once the interpreter
+#    is finalizing is ended by pthread_exit from inside a noexcept destructor: std::terminate.
+# 2. Gloo joins its workers only when the process group object is destroyed, and after a DDP
+#    model was built it never is: DDP imports torch.distributed.nn.functional, whose functions
+#    take ``group=group.WORLD`` as a default argument, evaluated at import time -- ten references
+#    to the live default group that nothing releases (destroy_process_group only forgets it).
+#    So the workers outlive the interpreter, and whether one is still dropping a work when
+#    finalization starts is a race (it also depends on output buffering, hence PYTHONUNBUFFERED).
+#    Upstream reports of the same abort: pytorch/pytorch#190489 (gloo, "terminate called without
+#    an active exception" at exit) and the abandoned pytorch/pytorch#179291 (an atexit
+#    destroy_process_group for the same crash).
+#
+# The workaround ends the group in order, while the interpreter is whole:
+# - import torch.distributed.nn.functional *before* init_process_group, so its defaults bind to
+#   None (the functions then use the default group at call time, as documented);
+# - keep one reference to each process group (the default one and those made later, e.g. by a
+#   device mesh), and at exit (atexit runs before finalization)
+#   collect garbage -- DDP/FSDP modules of functions that have returned, reference cycles
+#   included -- and then drop that last reference. ProcessGroup's Python holder releases the GIL
+#   while the C++ object is destroyed, so the gloo workers finish their pending work and are
+#   joined. Dropping it from a C++ owner (DDP's Reducer) with the GIL held could deadlock instead.
+#
+# ``DDP_COURSE_EXIT_REPORT=1`` makes each rank print how many gloo threads are left after this
+# (tests assert 0); ``DDP_COURSE_NO_EXIT_GUARD=1`` turns the workaround off, for the test that
+# shows it is still needed (python -m ddp_course.bench clean_exit is the stress check).
+
+_HELD_GROUPS: list[object] = []
+_DRAIN_S = 0.2  # seconds with the GIL released, only when a group outlives its release
+_EXIT_HOOK_INSTALLED = False
+
+
+def gloo_threads() -> int:
+    """Gloo threads alive in this process (Linux; 0 where /proc is not readable)."""
+    n = 0
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return 0
+    for tid in tasks:
+        try:
+            with open(f"/proc/self/task/{tid}/comm", encoding="utf-8") as f:
+                name = f.read().strip()
+        except OSError:
+            continue
+        n += "gloo" in name
+    return n
+
+
+def _release_groups() -> None:
+    gc.collect()  # modules of functions that have returned, including those in reference cycles
+    _HELD_GROUPS.clear()  # the last reference: the group is destroyed and its workers joined
+    left = gloo_threads()
+    if left:
+        # Something else still owns the group, so its workers were not joined: FSDP2's fully_shard
+        # keeps a C++ reference we could not release (no Python referrer; PyTorch 2.13). Give a
+        # worker that is still dropping a finished work the GIL before finalization starts.
+        time.sleep(_DRAIN_S)
+    if os.environ.get("DDP_COURSE_EXIT_REPORT") == "1":
+        _write_line(f"[exit] rank {os.environ.get('RANK', '0')}: gloo threads left: {left}")
+
+
+@contextmanager
+def clean_exit() -> Iterator[None]:
+    """Wrap ``dist.init_process_group(...)`` in this so that the job ends cleanly (see above).
+
+    ``with clean_exit(): dist.init_process_group("gloo")`` -- ``setup()`` does it for you; code
+    that joins a group by hand (ddp_recipe, exercise 04's harness) wraps its own call.
+    """
+    global _EXIT_HOOK_INSTALLED
+    guard = os.environ.get("DDP_COURSE_NO_EXIT_GUARD") != "1"
+    if guard:
+        import torch.distributed.nn.functional  # noqa: F401  (before init: see the comment above)
+    if not _EXIT_HOOK_INSTALLED:
+        atexit.register(_release_groups)
+        _EXIT_HOOK_INSTALLED = True
+    yield
+    if guard:
+        _hold_groups()
+
+
+def _hold_groups() -> None:
+    """Keep a reference to every live process group until exit (see the comment above)."""
+    if os.environ.get("DDP_COURSE_NO_EXIT_GUARD") == "1" or not (dist.is_available() and dist.is_initialized()):
+        return
+    # No public API lists the groups; pg_map is the registry destroy_process_group empties.
+    groups = [dist.group.WORLD, *dist.distributed_c10d._world.pg_map]
+    _HELD_GROUPS.extend(g for g in groups if g is not None and all(g is not h for h in _HELD_GROUPS))
 
 
 def current_rank() -> int:
