@@ -58,7 +58,7 @@ from torch.nn.utils import parameters_to_vector
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from ddp_course.data import TokenWindows, prepare, stream_offsets
-from ddp_course.dist import cpu_count
+from ddp_course.dist import clean_exit, cpu_count
 from ddp_course.labs._flags import FlagError, parse_flags
 from ddp_course.metrics import write_json
 from ddp_course.model import GPTConfig, MiniGPT
@@ -340,7 +340,8 @@ def main(argv: list[str]) -> None:
     # 3. Join the process group (env:// rendezvous: MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE),
     #    with a short timeout, and leave it however the program ends.
     if distributed:
-        dist.init_process_group(backend=backend, timeout=timedelta(seconds=opts["timeout_s"]))
+        with clean_exit():  # the course's workaround for an abort at exit (ddp_course/dist.py)
+            dist.init_process_group(backend=backend, timeout=timedelta(seconds=opts["timeout_s"]))
     try:
         me = {"rank": rank, "local_rank": local_rank, "device": str(device), "backend": backend if distributed else None}
         ranks = [me]
