@@ -3,10 +3,11 @@
     python -m ddp_course.bench                      list the benchmarks and their options
     python -m ddp_course.bench overhead             the course's train_step against a hand-written loop
     python -m ddp_course.bench ddp_vs_threads       2-rank DDP on CPU against one process with 2 threads
+    python -m ddp_course.bench clean_exit --launches=200   do finished jobs exit 0? (run after a torch upgrade)
     python -m ddp_course.bench overhead --n_layer=4 --rounds=9 --out=/tmp/bench
     python -m ddp_course.bench NAME --help          the options of one benchmark
 
-``overhead`` and ``ddp_vs_threads`` live in this file; every module ``ddp_course/benchmarks/NAME.py``
+``overhead``, ``ddp_vs_threads`` and ``clean_exit`` live in this file; every module ``ddp_course/benchmarks/NAME.py``
 (with ``main(argv) -> int``) is a benchmark too, run the same way.
 
 Each benchmark prints a table and writes ``<out>/<name>.json`` (``--out`` defaults to
@@ -21,6 +22,7 @@ import gc
 import json
 import math
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -553,6 +555,78 @@ def ddp_vs_threads(opts: dict[str, Any]) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------------------------------
+
+# --------------------------------------------------------------------------------------------------
+# clean_exit: finished jobs must exit 0 (a stress check for ddp_course.dist.clean_exit)
+
+_TINY_MODEL = ["--n_layer=1", "--n_head=2", "--n_embd=32", "--block_size=32", "--micro_batch_size=4"]
+CLEAN_EXIT_JOBS = {
+    # name: (module, arguments); {out} is the job's own folder
+    "train": ("ddp_course.train", ["--strategy=ddp", "--max_steps=5", "--eval_interval=0", "--eval_batches=2",
+                                   *_TINY_MODEL, "--out_dir={out}"]),
+    "profile": ("ddp_course.labs.ddp_profile", ["--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=16",
+                                                "--micro_batch_size=4", "--trace_steps=1", "--steps=2", "--rounds=1",
+                                                "--warmup=2", "--bucket_cap_mb=0.01", "--out_dir={out}"]),
+}
+
+
+@bench("clean_exit",
+       launches=(20, "jobs to launch, alternating between the jobs in --jobs"),
+       jobs=("train,profile", f"comma-separated, from: {', '.join(CLEAN_EXIT_JOBS)}"),
+       nproc=(2, "ranks per job"),
+       timeout_s=(120.0, "wall-clock limit of one job (a job past it counts as abnormal: a hang)"))
+def clean_exit(opts: dict[str, Any]) -> dict[str, Any]:
+    """Launch tiny finished jobs again and again and count abnormal exits (target: 0 of 200)."""
+    from tqdm.auto import tqdm
+
+    from ddp_course.launch import torchrun_command
+
+    _check_positive(opts, "launches", "nproc")
+    jobs = [j.strip() for j in opts["jobs"].split(",") if j.strip()]
+    unknown = [j for j in jobs if j not in CLEAN_EXIT_JOBS]
+    if unknown or not jobs:
+        raise BenchError(f"--jobs: unknown job(s) {unknown}; choose from {', '.join(CLEAN_EXIT_JOBS)}.")
+    root = Path(opts["out"]) / "clean_exit"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}  # as the launcher runs jobs
+    abnormal: list[dict[str, Any]] = []
+    counts = {j: 0 for j in jobs}
+    t0 = time.perf_counter()
+    bar = tqdm(range(opts["launches"]), desc="clean_exit", unit="job")
+    for i in bar:
+        job = jobs[i % len(jobs)]
+        module, args = CLEAN_EXIT_JOBS[job]
+        out = root / f"{i:04d}_{job}"
+        cmd = torchrun_command(module, opts["nproc"], [a.replace("{out}", str(out)) for a in args])
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                                cwd=PACKAGE_ROOT, start_new_session=True)
+        try:
+            output, _ = proc.communicate(timeout=opts["timeout_s"])
+            rc: int | str = proc.returncode
+        except subprocess.TimeoutExpired:
+            _kill_group(proc)
+            output, rc = (proc.stdout.read() if proc.stdout else ""), "timeout"
+        except BaseException:  # Ctrl-C included: no rank is left behind
+            _kill_group(proc)
+            raise
+        counts[job] += 1
+        if rc != 0:
+            abnormal.append({"launch": i, "job": job, "returncode": rc, "out_dir": str(out),
+                             "tail": output.splitlines()[-15:]})
+            bar.set_postfix(abnormal=len(abnormal))
+        else:
+            shutil.rmtree(out, ignore_errors=True)  # keep only the folders of abnormal exits
+    wall = time.perf_counter() - t0
+    bar.close()
+    print(f"abnormal exits: {len(abnormal)} of {opts['launches']} "
+          f"({', '.join(f'{n} {j}' for j, n in counts.items())}; {wall:.0f} s, load {_load()})")
+    for a in abnormal:
+        print(f"\n--- launch {a['launch']} ({a['job']}) exited {a['returncode']}; its last lines:")
+        print("\n".join("    " + line for line in a["tail"]))
+    result = {"launches": opts["launches"], "jobs": counts, "abnormal": abnormal, "wall_s": round(wall, 1),
+              "load": _load(), "torch": torch.__version__, "pass": not abnormal}
+    _write_result(opts, "clean_exit", result)
+    return result
+
 
 def run(name: str, **overrides: Any) -> dict[str, Any]:
     """Run benchmark ``name`` from Python: ``run("overhead", rounds=3, steps=5)``. Returns its result."""
