@@ -216,3 +216,97 @@ def test_lessons_in_sync_with_solutions():
     proc = subprocess.run([sys.executable, str(ROOT / "tools" / "make_lessons.py"), "--check"],
                           capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+# --------------------------------------------------------------------------------------------------
+# the answered copies: what a learner's completed work looks like (CI runs the notebooks there)
+
+def _without_marker_lines(text: str) -> list[str]:
+    """The solution's lines minus the marker lines, computed independently of the tool."""
+    return [line for line in text.splitlines() if not ml.ANY_MARKER_RE.search(line)]
+
+
+def test_answered_source_keeps_the_answer_and_drops_the_markers():
+    src = ("def step(grad, world_size):\n"
+           "    # BEGIN SOLUTION hint: use dist.all_reduce\n"
+           "    dist.all_reduce(grad)\n"
+           "    grad /= world_size\n"
+           "    # END SOLUTION\n"
+           "    return grad\n")
+    assert ml.answer_source(src, "ex.py") == ("def step(grad, world_size):\n"
+                                              "    dist.all_reduce(grad)\n"
+                                              "    grad /= world_size\n"
+                                              "    return grad\n")
+    with pytest.raises(ml.MarkerError, match="never closed"):  # the same checks as the learner copy
+        ml.answer_source("# BEGIN SOLUTION\na = 1\n", "ex.py")
+
+
+def test_answered_notebook_has_the_lessons_cells_with_answers_and_solution_outputs():
+    sol = _solution_notebook()
+    before = nbformat.writes(sol)
+    lesson = ml.transform_notebook(sol, "solutions/01.ipynb")
+    done = ml.transform_notebook(sol, "solutions/01.ipynb", answered=True)
+    assert nbformat.writes(sol) == before
+    # the learner's cells (solution-only left out), same ids and metadata: only code and outputs differ
+    assert [(c.cell_type, c.get("id"), c.metadata) for c in done.cells] == \
+           [(c.cell_type, c.get("id"), c.metadata) for c in lesson.cells]
+    assert done.metadata == lesson.metadata
+    md, region, whole, plain = done.cells
+    assert md.source == sol.cells[0].source  # markdown unchanged, as in lessons/
+    assert region.source == "x = 1\nfor i in range(2):\n    x += i\nx"
+    assert whole.source == "opt = make()\nopt.step()"
+    assert plain.source == "print('hello')"
+    assert region.outputs == sol.cells[1].outputs and region.execution_count == 3  # what nbval compares against
+    assert plain.outputs == sol.cells[4].outputs
+    nbformat.validate(done)
+
+
+def test_write_answered_refuses_source_folders_and_deletes_stale_files(tmp_path):
+    root = _repo(tmp_path)
+    for bad in (root, root / "lessons", root / "solutions"):
+        with pytest.raises(ml.MarkerError, match="refusing"):
+            ml.write_answered(root, bad)
+    out = root / "build" / "learner"
+    (out / "exercises").mkdir(parents=True)
+    (out / "exercises" / "gone.py").write_text("x = 1\n")
+    (out / "runs").mkdir()
+    (out / "runs" / "kept.json").write_text("{}")
+    proc = run_tool(root, f"--answered={out}")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert not (out / "exercises" / "gone.py").exists() and (out / "runs" / "kept.json").exists()
+    assert (out / "exercises" / "ex1.py").read_text() == "def f():\n    return 1\n"
+    assert sorted(p.name for p in out.glob("*.ipynb")) == ["01_allreduce.ipynb"]
+    assert ml.check(root)[0][0].startswith("missing: lessons/")  # lessons/ itself is not touched
+
+
+def test_answered_copy_of_this_course(tmp_path):
+    """Every lesson and exercise script, completed: no marker anywhere, each answered code cell the
+    solution's code minus its marker lines, the solution's outputs kept, and the lessons' layout (the
+    notebooks find exercises/ beside them, as in lessons/)."""
+    out = tmp_path / "learner"
+    written, _ = ml.write_answered(ROOT, out)
+    solutions = sorted((ROOT / "solutions").glob("*.ipynb"))
+    scripts = sorted((ROOT / "solutions" / "exercises").glob("*.py"))
+    assert sorted(written) == sorted([out / p.name for p in solutions] + [out / "exercises" / p.name for p in scripts])
+    for path in written:
+        assert not ml.ANY_MARKER_RE.search(path.read_text(encoding="utf-8")), f"{path.name} still has a marker"
+    for src in scripts:
+        answered = (out / "exercises" / src.name).read_text(encoding="utf-8")
+        assert answered.splitlines() == _without_marker_lines(src.read_text(encoding="utf-8")), src.name
+        compile(answered, src.name, "exec")
+    n_regions = 0
+    for src in solutions:
+        sol = ml.load_notebook(src)
+        lesson = nbformat.read(ROOT / "lessons" / src.name, as_version=4)
+        done = nbformat.read(out / src.name, as_version=4)
+        kept = [c for c in sol.cells if ml.SOLUTION_ONLY_TAG not in (c.metadata.get("tags") or [])]
+        assert [c.get("id") for c in done.cells] == [c.get("id") for c in lesson.cells], src.name
+        assert len(kept) == len(done.cells)
+        for s, d, le in zip(kept, done.cells, lesson.cells):
+            if s.cell_type != "code":
+                assert d.source == s.source == le.source
+                continue
+            assert d.source.splitlines() == _without_marker_lines(s.source), f"{src.name}: {d.source[:60]!r}"
+            assert d.outputs == s.outputs and d.execution_count == s.execution_count
+            n_regions += le.source.count(RAISE)
+    assert n_regions >= 6  # the in-notebook exercises of lessons 01, 03, 07 and 11 were answered

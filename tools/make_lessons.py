@@ -19,6 +19,12 @@ their outputs and execution counts; markdown cells are copied unchanged.
     python tools/make_lessons.py            # write lessons/*.ipynb and lessons/exercises/*.py
     python tools/make_lessons.py --check    # exit 1 if any learner file is stale, missing or orphaned
     python tools/make_lessons.py --prune    # write, and delete learner files that have no solution
+    python tools/make_lessons.py --answered build/learner   # the lessons as a learner completes them
+
+``--answered DIR`` writes what a learner's *completed* work looks like: every lesson notebook with
+the answer in place of each TODO (the solution's lines, without the marker lines), the solutions'
+stored outputs kept (nbval compares against them), and ``DIR/exercises/*.py`` answered the same way.
+CI runs the notebooks there, so every cell a learner runs is executed, with the learner's files.
 
 Sources -> targets: ``solutions/*.ipynb -> lessons/*.ipynb`` and
 ``solutions/exercises/*.py -> lessons/exercises/*.py``. Only the standard library and nbformat are
@@ -76,13 +82,9 @@ def _newline_of(line: str) -> str:
     return ""
 
 
-def transform_source(text: str, filename: str = "<source>") -> str:
-    """Replace every ``# BEGIN SOLUTION`` .. ``# END SOLUTION`` region by a TODO and a raise.
-
-    ``filename`` only labels error messages. Raises :class:`MarkerError` for a BEGIN inside a region,
-    an END without a BEGIN, a BEGIN never closed, or a ``# SOLUTION CELL`` marker (notebooks only,
-    first line of a cell) found here.
-    """
+def _rewrite(text: str, filename: str, answered: bool) -> str:
+    """The learner copy (``answered=False``: each region becomes a TODO and a raise) or the answered
+    copy (``answered=True``: each region keeps its lines, only the marker lines go) of ``text``."""
     lines = text.splitlines(keepends=True)
     out: list[str] = []
     open_at: int | None = None  # line number of the BEGIN of the region we are in
@@ -94,8 +96,9 @@ def transform_source(text: str, filename: str = "<source>") -> str:
                 raise MarkerError(f"{filename}:{no}: '# BEGIN SOLUTION' inside the region opened at line "
                                   f"{open_at}; regions cannot nest (close it with '# END SOLUTION' first).")
             open_at = no
-            nl = _newline_of(line) or "\n"
-            out.extend(_stub(begin["indent"], _hint(begin["rest"]), nl))
+            if not answered:
+                nl = _newline_of(line) or "\n"
+                out.extend(_stub(begin["indent"], _hint(begin["rest"]), nl))
             continue
         if end:
             if open_at is None:
@@ -108,7 +111,7 @@ def transform_source(text: str, filename: str = "<source>") -> str:
         if ANY_MARKER_RE.search(body) and body.lstrip().startswith("#"):
             raise MarkerError(f"{filename}:{no}: malformed solution marker {body.strip()!r}: write "
                               "'# BEGIN SOLUTION [hint: ...]' or '# END SOLUTION' alone on its line.")
-        if open_at is None:
+        if open_at is None or answered:
             out.append(line)
     if open_at is not None:
         raise MarkerError(f"{filename}:{open_at}: '# BEGIN SOLUTION' is never closed by '# END SOLUTION'.")
@@ -118,22 +121,50 @@ def transform_source(text: str, filename: str = "<source>") -> str:
     return result
 
 
-def transform_cell_source(source: str, label: str) -> str:
-    """A notebook code cell: ``# SOLUTION CELL`` on its first line replaces the whole cell."""
-    first, _, _ = source.partition("\n")
+def transform_source(text: str, filename: str = "<source>") -> str:
+    """Replace every ``# BEGIN SOLUTION`` .. ``# END SOLUTION`` region by a TODO and a raise.
+
+    ``filename`` only labels error messages. Raises :class:`MarkerError` for a BEGIN inside a region,
+    an END without a BEGIN, a BEGIN never closed, or a ``# SOLUTION CELL`` marker (notebooks only,
+    first line of a cell) found here.
+    """
+    return _rewrite(text, filename, answered=False)
+
+
+def answer_source(text: str, filename: str = "<source>") -> str:
+    """What a learner's completed file looks like: every region's answer in place, the marker lines gone.
+
+    The same marker checks (and errors) as :func:`transform_source`.
+    """
+    return _rewrite(text, filename, answered=True)
+
+
+def transform_cell_source(source: str, label: str, answered: bool = False) -> str:
+    """A notebook code cell: ``# SOLUTION CELL`` on its first line replaces the whole cell.
+
+    With ``answered``, the cell as a learner completes it: a whole-cell answer loses only its marker
+    line, a region only its marker lines.
+    """
+    first, newline, rest = source.partition("\n")
     whole = CELL_RE.match(first.rstrip("\r"))
     if whole:
+        if answered:
+            return _rewrite(rest, label, answered=True) if newline else ""
         return f"# TODO: {_hint(whole['rest'])}\n{RAISE}"
-    return transform_source(source, label)
+    return _rewrite(source, label, answered)
 
 
-def transform_notebook(nb, name: str = "<notebook>"):
+def transform_notebook(nb, name: str = "<notebook>", answered: bool = False):
     """The learner copy of a solution notebook (a new object; ``nb`` is not changed).
 
     Drops cells tagged ``solution-only``; in code cells, replaces solution regions and clears outputs
     and execution counts; copies markdown and raw cells unchanged. Cell ids are derived from ``name``
     and the cell's position, and notebook metadata is cut to the kernel and language name, so running
     or rebuilding the solution notebook changes its learner copy only where its content changes.
+
+    With ``answered``, the learner copy as a learner who completed every exercise has it: the same
+    cells, ids and metadata, each answer in place of its TODO (no markers), and the solution's
+    outputs and execution counts kept (what nbval compares a re-run against).
     """
     nb = copy.deepcopy(nb)
     cells = []
@@ -141,9 +172,10 @@ def transform_notebook(nb, name: str = "<notebook>"):
         if SOLUTION_ONLY_TAG in (cell.get("metadata", {}).get("tags") or []):
             continue
         if cell.cell_type == "code":
-            cell.source = transform_cell_source(cell.source, f"{name} cell {index}")
-            cell.outputs = []
-            cell.execution_count = None
+            cell.source = transform_cell_source(cell.source, f"{name} cell {index}", answered)
+            if not answered:
+                cell.outputs = []
+                cell.execution_count = None
             for key in VOLATILE_CELL_METADATA:
                 cell.metadata.pop(key, None)
         if "id" in cell:
@@ -174,21 +206,25 @@ def notebook_text(nb) -> str:
     return text if text.endswith("\n") else text + "\n"
 
 
-def targets(root: Path) -> dict[Path, str]:
-    """{learner file: expected content} for every solution under ``root``."""
+def targets(root: Path, out: Path | None = None, answered: bool = False) -> dict[Path, str]:
+    """{learner file: expected content} for every solution under ``root``.
+
+    The files go to ``out`` (default ``root/lessons``); ``answered`` gives the completed copies.
+    """
+    out = root / "lessons" if out is None else out
     expected: dict[Path, str] = {}
     for src in sorted((root / "solutions").glob("*.ipynb")):
         label = str(src.relative_to(root))
-        expected[root / "lessons" / src.name] = notebook_text(transform_notebook(load_notebook(src), label))
+        expected[out / src.name] = notebook_text(transform_notebook(load_notebook(src), label, answered))
     for src in sorted((root / "solutions" / "exercises").glob("*.py")):
         label = str(src.relative_to(root))
-        text = transform_source(src.read_text(encoding="utf-8"), label)
+        text = _rewrite(src.read_text(encoding="utf-8"), label, answered)
         try:
             ast.parse(text, filename=label)
         except SyntaxError as exc:
             raise MarkerError(f"{label}: the learner copy is not valid Python ({exc.msg}, line {exc.lineno}); "
                               "put the markers around whole statements.") from None
-        expected[root / "lessons" / "exercises" / src.name] = text
+        expected[out / "exercises" / src.name] = text
     return expected
 
 
@@ -243,14 +279,50 @@ def generate(root: Path, prune: bool = False) -> tuple[list[Path], list[Path], l
     return written, unchanged, orphans
 
 
+def write_answered(root: Path, out: Path) -> tuple[list[Path], list[Path]]:
+    """Write into ``out`` the lessons as a learner who completed every exercise has them.
+
+    ``out/NN_*.ipynb`` and ``out/exercises/*.py``, laid out like ``lessons/`` so that the notebooks
+    run from ``out`` exactly as from ``lessons/`` (relative paths such as ``exercises/...`` and
+    ``runs/...``). Notebooks and exercise scripts in ``out`` that no solution produces are deleted;
+    anything else there (the runs of an earlier execution) is left alone. Returns (written, deleted).
+    """
+    out = out.resolve()
+    protected = {root, root / "solutions", root / "lessons", root / "solutions" / "exercises",
+                 root / "lessons" / "exercises", root / "ddp_course", root / "tests", root / "tools"}
+    if out in protected or out in root.parents:
+        raise MarkerError(f"refusing to write answered copies into {out}: give a folder of their own, "
+                          "e.g. build/learner")
+    expected = targets(root, out, answered=True)
+    written = []
+    for path, text in expected.items():
+        if not (path.exists() and read_text(path) == text):
+            write_text(path, text)
+        written.append(path)
+    stale = [p for p in sorted(out.glob("*.ipynb")) + sorted((out / "exercises").glob("*.py")) if p not in expected]
+    for path in stale:
+        path.unlink()
+    return written, stale
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python tools/make_lessons.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--check", action="store_true", help="verify only; exit 1 if lessons/ is out of date")
     parser.add_argument("--prune", action="store_true", help="also delete learner files that have no solution")
     parser.add_argument("--root", type=Path, default=ROOT, help="repository root (default: this checkout)")
+    parser.add_argument("--answered", type=Path, metavar="DIR",
+                        help="instead, write the lessons as completed by a learner (answers in place of the "
+                             "TODOs, no markers, the solutions' outputs) into DIR, e.g. build/learner")
     args = parser.parse_args(argv)
     root = args.root.resolve()
     try:
+        if args.answered is not None:
+            out = args.answered if args.answered.is_absolute() else Path.cwd() / args.answered
+            written, stale = write_answered(root, out)
+            for path in stale:
+                print(f"deleted {path}")
+            print(f"{len(written)} answered file(s) in {out.resolve()}")
+            return 0
         if args.check:
             problems, n_files = check(root)
             if problems:
