@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -61,9 +62,25 @@ def test_bad_input_fails_before_any_process_starts(tmp_path):
 
 def test_timeout_stops_every_process(tmp_path):
     tag = uuid.uuid4().hex
-    with pytest.raises(LaunchTimeout, match="ran past its timeout"):
-        run("ddp_course.train", nproc=2, strategy="ddp", max_steps=10**6, out_dir=tmp_path / "t",
-            echo="none", progress=False, timeout=12, env={"DDP_TEST_TAG": tag}, **{**TINY, "log_interval": 50})
+    raised: list[BaseException] = []
+
+    def job() -> None:
+        try:
+            run("ddp_course.train", nproc=2, strategy="ddp", max_steps=10**6, out_dir=tmp_path / "t",
+                echo="none", progress=False, timeout=12, env={"DDP_TEST_TAG": tag}, **{**TINY, "log_interval": 50})
+        except BaseException as exc:  # checked below, in the test's thread
+            raised.append(exc)
+
+    launcher = threading.Thread(target=job)
+    launcher.start()
+    most = 0  # the job's processes seen at once while it ran: without them, "none left" proves nothing
+    while launcher.is_alive():
+        most = max(most, len(tagged_processes(tag)))
+        time.sleep(0.2)
+    launcher.join()
+    assert most >= 3, f"expected torchrun and 2 workers carrying the tag while the job ran, saw at most {most}"
+    assert len(raised) == 1 and isinstance(raised[0], LaunchTimeout), raised
+    assert "ran past its timeout" in str(raised[0])
     assert tagged_processes(tag) == []
 
 
