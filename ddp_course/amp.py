@@ -355,7 +355,7 @@ def check_amp_step(fn: Callable[..., Any], *, device: torch.device | None = None
     Plain SGD is used here (not AdamW): its update is proportional to the gradient, so a gradient
     left scaled, clipped while scaled, or not clipped at all shows up as a wrong step size.
     """
-    from ddp_course.check import Verdict
+    from ddp_course.check import Verdict, not_complete
     from ddp_course.model import GPTConfig, MiniGPT
     from ddp_course.train import train_step
 
@@ -387,7 +387,7 @@ def check_amp_step(fn: Callable[..., Any], *, device: torch.device | None = None
         try:
             fn(mine, my_opt, my_scaler, x, y, clip)
         except NotImplementedError:
-            return Verdict(False, "amp_step is not written yet (it raises NotImplementedError).")
+            return not_complete("amp_step()")
         except Exception as exc:  # the learner's bug, reported in one line, with what usually causes it
             text = str(exc)
             hint = (" -- the loss must go through scaler.scale(loss).backward()" if "_scale is None" in text else

@@ -473,12 +473,12 @@ def check_reduce(fn: Callable[[Sequence[nn.Module]], None]):
 
     Returns a :class:`ddp_course.check.Verdict` that says what is wrong when it is not.
     """
-    from ddp_course.check import Verdict
+    from ddp_course.check import Verdict, not_complete
 
     try:
         comp = compare_with_single(n_replicas=3, batch=8, steps=3, reduce_fn=fn)
     except NotImplementedError:
-        return Verdict(False, "the reduction is not written yet (it raises NotImplementedError).")
+        return not_complete("my_reduce()")
     except Exception as exc:  # noqa: BLE001 -- a learner's bug is reported, not raised
         return Verdict(False, f"your reduction raised {type(exc).__name__}: {exc}")
     if comp.ok:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from ddp_course.check import Verdict, results
+from ddp_course.check import Verdict, not_complete, results
 
 NPROC = 2
 
@@ -93,8 +93,8 @@ def grade(path: str | Path, timeout: float = 180) -> Verdict:
         r = run(str(path), nproc=NPROC, out_dir=tmp / "ddp", echo="none", progress=False, timeout=timeout,
                 check=False)
         if "NotImplementedError" in r.output:
-            return Verdict(False, "the script still raises NotImplementedError: complete every TODO "
-                                  "(setup, make_loader, wrap, start_epoch, mean_over_ranks, save, teardown).")
+            return not_complete("a TODO of the script (setup, make_loader, wrap, start_epoch, "
+                                "mean_over_ranks, save or teardown)", path)
         found = sorted(results(r.output), key=lambda x: x["rank"])
         if len(found) != NPROC:
             tail = "\n".join(r.output.splitlines()[-20:])

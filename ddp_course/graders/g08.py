@@ -18,7 +18,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from ddp_course.check import Verdict, results
+from ddp_course.check import Verdict, not_complete, results
 
 NPROC = 2
 MAX_STEPS, CKPT_STEP, FAIL_AT_STEP = 12, 6, 9
@@ -94,8 +94,7 @@ def grade(path: str | Path, timeout: float = 180) -> Verdict:
                                   "dist.gather_object() inside `if rank == 0:` waits for ranks that never come. "
                                   f"Last lines:\n{_tail(exc.run.output)}")
         if "NotImplementedError" in job.output:
-            return Verdict(False, "save_checkpoint or load_checkpoint still raises NotImplementedError: complete the "
-                                  "TODOs.")
+            return not_complete("save_checkpoint() or load_checkpoint()", path)
         found = results(job.output)
         if len(found) != NPROC:
             hint = (" A rank waited until the process group's timeout: a collective that only some ranks call, such as "

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ddp_course.check import Verdict, results
+from ddp_course.check import Verdict, not_complete, results
 
 NPROC = 2
 BALANCE_TOL = 0.05  # vocabulary rows (65) do not split evenly: a few hundred bytes of ~70 kB
@@ -122,7 +122,7 @@ def collect(path: str | Path, timeout: float = 180) -> list[dict] | Verdict:
         return Verdict(False, f"the script did not finish within {timeout:.0f}s and was stopped. "
                               f"Last lines:\n{_tail(exc.run.output)}")
     if "NotImplementedError" in r.output:
-        return Verdict(False, "shard() still raises NotImplementedError: complete it.")
+        return not_complete("shard()", path)
     found = results(r.output)
     if len(found) != NPROC:
         return Verdict(False, f"the script did not finish on every rank (exit code {r.returncode}). "

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ddp_course.check import Verdict
+from ddp_course.check import NOT_COMPLETE, Verdict
 
 PACKAGE = "ddp_course.labs.broken"
 PG_TIMEOUT_S = 5.0  # the process-group timeout the lab runs with: long enough for a tiny job, short to wait out
@@ -206,6 +206,10 @@ def check_exercise(number: int, answer: Any, out_dir: str | Path) -> Verdict:
     3. ``same_seed``: ``{"broken": f, "fixed": g}``, the fraction of rank 1's training windows that
        rank 0 also trained on, in each variant.
     """
+    if number in (1, 2, 3) and answer is None:
+        name = "answer_" + "abc"[number - 1]
+        return Verdict(False, f"{NOT_COMPLETE}: {name} is not set yet. Fill in the TODO in the exercise cell above "
+                              f"and run that cell (it sets {name}), then re-run this cell.")
     recs = records(out_dir)
     if not recs:
         return Verdict(False, f"no rank records in {out_dir}: run the program first (broken.launch(...)).")
