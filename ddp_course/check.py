@@ -101,7 +101,7 @@ def attention(fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Ten
         try:
             got = fn(q, k, v)
         except NotImplementedError:
-            return not_complete(getattr(fn, "__name__", "your attention"))
+            return not_complete(f"{getattr(fn, '__name__', 'your attention')}()")
         except Exception as exc:  # noqa: BLE001 -- a learner's bug is reported, not raised
             return Verdict(False, f"for inputs of shape {tuple(shape)} your attention raised {type(exc).__name__}: {exc}")
         if not isinstance(got, torch.Tensor) or got.shape != want.shape:

@@ -1,0 +1,243 @@
+"""The lessons as a learner first opens them, exercises unanswered.
+
+Every lesson with an exercise (a TODO cell, or a cell that grades a script in ``exercises/``) is
+executed as shipped in ``lessons/``, in a copy of that folder. Only two kinds of cell may fail:
+
+- a grading cell (``assert verdict.ok, ...``), with a message that tells the learner what to do
+  ("exercise not complete: ... Fill in the TODO in ..., then re-run this cell.");
+- a TODO cell whose stub runs at the top level, with the stub's own NotImplementedError.
+
+Nothing else: in particular no NameError (or other failure) in a later cell because a TODO cell did
+not define something.
+
+To stay cheap, not every cell runs. The plan of each lesson (``plan``) executes, in order,
+
+- every cell from the top through the last one that a TODO can affect: the TODO cells, their checks,
+  and every later cell that uses a name a TODO cell binds (found by parsing the cells);
+- after that, only the cells that grade or read the learner's scripts (``exercises/``); they import
+  what they use.
+
+A skipped cell uses nothing a TODO defines and does not touch the exercise scripts, so it runs the
+same whether the exercises are done or not; ``make test`` executes every cell of every lesson in
+their answered form (``python tools/make_lessons.py --answered build/learner``). Lesson 11 starts
+its jobs in the background and runs to the end (the kernel has to wait for them anyway).
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+import shutil
+import time
+import warnings
+from pathlib import Path
+
+import nbformat
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+LESSONS = ROOT / "lessons"
+STUB = "exercise: complete this part"
+NOT_COMPLETE = "exercise not complete"
+GRADING_RE = re.compile(r"^assert verdict\.ok\b", re.M)
+RUN_TO_END = {"11_debugging_lab.ipynb": "its eight jobs start in the background in its first code cell"}
+
+
+def _read(path: Path):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return nbformat.read(path, as_version=4)
+
+
+def _tree(source: str) -> ast.Module:
+    from IPython.core.inputtransformer2 import TransformerManager  # %magics and !commands, as the kernel sees them
+
+    return ast.parse(TransformerManager().transform_cell(source))
+
+
+def _is_stub(node: ast.stmt) -> bool:
+    return (isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call)
+            and getattr(node.exc.func, "id", None) == "NotImplementedError"
+            and any(isinstance(a, ast.Constant) and a.value == STUB for a in node.exc.args))
+
+
+def _bound(stmts: list[ast.stmt]) -> set[str]:
+    """Names the statements bind at the top level (assignments, loops, with, imports, defs, classes)."""
+    names: set[str] = set()
+    for stmt in stmts:
+        if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(stmt.name)
+            continue
+        if isinstance(stmt, (ast.Import, ast.ImportFrom)):
+            names |= {(a.asname or a.name).split(".")[0] for a in stmt.names}
+            continue
+        for node in ast.walk(stmt):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)):
+                continue
+            if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                names.add(node.id)
+    return names
+
+
+def _used(source: str) -> set[str]:
+    return {n.id for n in ast.walk(_tree(source)) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+
+
+def affected_names(cell_source: str) -> set[str]:
+    """What a TODO cell leaves undefined or broken: every name it binds, except those bound before
+    a top-level stub by statements that do not raise (a function holding a stub raises when called)."""
+    body = _tree(cell_source).body
+    top_stub = next((i for i, s in enumerate(body) if _is_stub(s)), len(body))
+    raising = {s.name for s in body if isinstance(s, (ast.FunctionDef, ast.AsyncFunctionDef))
+               and any(_is_stub(n) for n in ast.walk(s))}
+    return (_bound(body) - _bound(body[:top_stub])) | raising
+
+
+def plan(nb) -> dict:
+    """Which code cells to execute, and the TODO and grading cells among them (indices into nb.cells)."""
+    code = [i for i, c in enumerate(nb.cells) if c.cell_type == "code"]
+    todo = [i for i in code if STUB in nb.cells[i].source]
+    grading = [i for i in code if GRADING_RE.search(nb.cells[i].source)]
+    last = max(todo, default=-1)
+    for t in todo:
+        names = affected_names(nb.cells[t].source)
+        later = [i for i in code if i > t and _used(nb.cells[i].source) & names]
+        checks = [i for i in code if i > t][:1]  # the check right after an in-notebook exercise
+        checks = [i for i in checks if i in grading]
+        last = max([last, *later, *checks])
+    scripts = [i for i in code if i > last and (i in grading or "exercises/" in nb.cells[i].source)]
+    run = [i for i in code if i <= last] + scripts
+    return {"run": run, "todo": todo, "grading": grading, "through": last}
+
+
+def exercise_lessons() -> list[str]:
+    found = []
+    for path in sorted(LESSONS.glob("*.ipynb")):
+        nb = _read(path)
+        if any(c.cell_type == "code" and (STUB in c.source or GRADING_RE.search(c.source)) for c in nb.cells):
+            found.append(path.name)
+    return found
+
+
+def execute(path: Path, cells: list[int], timeout: int = 600) -> dict[int, dict]:
+    """Execute the code cells ``cells`` of notebook ``path`` in order, in one kernel of this Python, with
+    the notebook's folder as working directory, going on after errors. {index: {"error", "text"}}."""
+    from jupyter_client.manager import KernelManager
+    from nbclient import NotebookClient
+    from nbval.kernel import CURRENT_ENV_KERNEL_NAME, NbvalKernelspecManager
+
+    nb = _read(path)
+    sub = nbformat.v4.new_notebook(metadata=nb.metadata)
+    sub.cells = [nb.cells[i] for i in cells]
+    km = KernelManager(kernel_name=CURRENT_ENV_KERNEL_NAME, kernel_spec_manager=NbvalKernelspecManager())
+    try:
+        NotebookClient(sub, km=km, timeout=timeout, allow_errors=True,
+                       resources={"metadata": {"path": str(path.parent)}}).execute()
+    finally:
+        if km.has_kernel:
+            km.shutdown_kernel(now=False)  # the client leaves a kernel it was given running
+    out = {}
+    for i, cell in zip(cells, sub.cells):
+        err = next((o for o in cell.outputs if o.output_type == "error"), None)
+        text = "".join(o.get("text", "") for o in cell.outputs if o.output_type == "stream")
+        out[i] = {"error": (err.ename, err.evalue) if err else None, "text": text}
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# the plan itself, on small notebooks (fast)
+
+def _nb(*sources: str):
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(s) for s in sources]
+    return nb
+
+
+def test_plan_follows_what_a_todo_leaves_undefined():
+    raise_line = f'raise NotImplementedError("{STUB}")'
+    nb = _nb("import torch\nslow = 1",
+             f"answer = None\n# TODO: x\n{raise_line}",            # 1: top-level stub; binds answer first
+             "verdict = check(answer)\nassert verdict.ok, verdict.message",  # 2: its check
+             f"def f(x):\n    # TODO: y\n    {raise_line}",          # 3: a function that raises
+             "print(slow)",                                          # 4: nothing from a TODO
+             "y = f(2)",                                             # 5: calls the raising function
+             "print(slow * 2)",                                      # 6: skipped
+             'verdict = grade("01", "exercises/01_x.py")\nassert verdict.ok, verdict.message',  # 7: a script grader
+             "print('the end')")                                     # 8: skipped
+    assert affected_names(nb.cells[1].source) == set()  # answer exists (None) before the stub
+    assert affected_names(nb.cells[3].source) == {"f"}
+    p = plan(nb)
+    assert p["todo"] == [1, 3] and p["grading"] == [2, 7] and p["through"] == 5
+    assert p["run"] == [0, 1, 2, 3, 4, 5, 7]
+
+
+def test_plan_of_a_top_level_todo():
+    nb = _nb(f"x = 1\n# TODO\nraise NotImplementedError(\"{STUB}\")\ny = 2", "print(y)", "print(x)")
+    assert affected_names(nb.cells[0].source) == {"y"}
+    assert plan(nb)["run"] == [0, 1]
+
+
+def test_replace_function_body_on_learner_and_solution_files():
+    from ddp_course.check import replace_function_body
+
+    body = "    return 42\n"
+    learner = (LESSONS / "exercises" / "06_no_sync.py").read_text()
+    solution = (ROOT / "solutions" / "exercises" / "06_no_sync.py").read_text()
+    a, b = replace_function_body(learner, "accumulate", body), replace_function_body(solution, "accumulate", body)
+    assert a == b  # the same script, whatever the body held (a TODO, or the answer with its markers)
+    assert "return 42" in a and STUB not in a and "SOLUTION" not in a
+    assert '"""Forward and backward over every micro-batch' in a  # the docstring stays
+    with pytest.raises(ValueError, match="no top-level function"):
+        replace_function_body(learner, "nope", body)
+
+
+def test_not_complete_says_what_to_do():
+    from ddp_course.check import not_complete
+
+    v = not_complete("accumulate()", "exercises/06_no_sync.py")
+    assert not v.ok and v.message == ("exercise not complete: accumulate() still raises NotImplementedError. Fill in "
+                                      "the TODO in exercises/06_no_sync.py and save the file, then re-run this cell.")
+    assert "exercise cell above" in not_complete("amp_step()").message
+
+
+# --------------------------------------------------------------------------------------------------
+# the lessons, executed
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("name", exercise_lessons())
+def test_unanswered_lesson(name, tmp_path):
+    """Run the lesson as shipped: only its checks fail, each saying what to do; no cascade."""
+    work = tmp_path / "lessons"
+    work.mkdir()
+    shutil.copy2(LESSONS / name, work / name)
+    shutil.copytree(LESSONS / "exercises", work / "exercises")
+    nb = _read(work / name)
+    p = plan(nb)
+    cells = [i for i, c in enumerate(nb.cells) if c.cell_type == "code"] if name in RUN_TO_END else p["run"]
+    t0 = time.perf_counter()
+    got = execute(work / name, cells)
+    print(f"{name}: {len(cells)} of {sum(c.cell_type == 'code' for c in nb.cells)} code cells in "
+          f"{time.perf_counter() - t0:.0f} s")
+
+    def where(i: int) -> str:
+        return f"{name} cell {i}:\n{nb.cells[i].source}\n--> {got[i]['error']}\n{got[i]['text'][-2000:]}"
+
+    for i, r in got.items():
+        if r["error"] is not None:
+            print(f"cell {i}: {r['error'][0]}: {r['error'][1][:300]}")
+        if r["error"] is None:
+            continue
+        ename, evalue = r["error"]
+        assert ename != "NameError", "a NameError: a TODO left something undefined\n" + where(i)
+        if i in p["grading"]:
+            assert NOT_COMPLETE in evalue and "TODO" in evalue and "re-run this cell" in evalue, \
+                "a check failed without telling the learner what to do\n" + where(i)
+        elif i in p["todo"]:
+            assert (ename, evalue) == ("NotImplementedError", STUB), where(i)
+        else:
+            pytest.fail("a cell that is neither a check nor a TODO failed\n" + where(i))
+    # every check of an unanswered exercise ran, and said so
+    for i in p["grading"]:
+        assert got[i]["error"] is not None and NOT_COMPLETE in got[i]["text"], \
+            "a check passed (or did not run) on an unanswered exercise\n" + where(i)
