@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from ddp_course.data import cache_dir, find_shakespeare
 from ddp_course.dist import DeviceError, choose_device, cpu_count
+from ddp_course.paths import show
 
 
 def report() -> dict:
@@ -42,7 +43,7 @@ def report() -> dict:
         except DeviceError as exc:  # pragma: no cover - auto never raises
             info["plans"][n] = str(exc)
     path, why = find_shakespeare(download=False)
-    info["corpus"] = str(path) if path else f"not found locally ({why}); first use downloads it into {cache_dir()}"
+    info["corpus"] = show(path) if path else f"not found locally ({why}); first use downloads it into {cache_dir()}"
     info["DDP_COURSE_DATA"] = os.environ.get("DDP_COURSE_DATA")
     return info
 

@@ -32,6 +32,7 @@ from ddp_course.data import CorpusError, prepare, stream_batches, train_batches,
 from ddp_course.dist import DeviceError, DistInfo, all_reduce_mean, log, seed_everything, setup
 from ddp_course.metrics import MetricsWriter, environment, mfu, peak_memory, reset_peak_memory, write_json
 from ddp_course.model import GPTConfig, MiniGPT
+from ddp_course.paths import show
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -155,14 +156,14 @@ def run_training(cfg: TrainConfig, info: DistInfo) -> dict:
     if cfg.resume:
         path = checkpoint.latest(out_dir)
         if path is None:
-            log(f"[ddp_course] --resume: no checkpoint in {checkpoint.ckpt_dir(out_dir)}; starting from step 0")
+            log(f"[ddp_course] --resume: no checkpoint in {show(checkpoint.ckpt_dir(out_dir))}; starting from step 0")
         else:  # every rank loads (a collective); model, optimizer, scaler, this rank's RNG, data position
             meta = checkpoint.resume(path, model, optimizer, scaler, info, shape)
             start_step = meta["step"]
             start_batch = checkpoint.start_batch(meta, micro_batch_size=cfg.micro_batch_size,
                                                  world_size=info.world_size, grad_accum_steps=cfg.grad_accum_steps)
             dropped = checkpoint.drop_metrics_after(out_dir, start_step) if info.is_main else 0
-            log(f"[ddp_course] resumed from {path} at step {start_step} (saved by {meta['world_size']} rank(s); "
+            log(f"[ddp_course] resumed from {show(path)} at step {start_step} (saved by {meta['world_size']} rank(s); "
                 f"data from micro-batch {start_batch}{f'; {dropped} metrics rows after it dropped' if dropped else ''})")
 
     if info.is_main:
@@ -173,7 +174,7 @@ def run_training(cfg: TrainConfig, info: DistInfo) -> dict:
             "vocab_size": data.tokenizer.vocab_size, "n_params": n_params, "flops_per_token": flops_per_token,
             "global_batch_size_resolved": global_batch, "tokens_per_step": tokens_per_step,
             "versions": environment()})
-        log(f"[ddp_course] corpus {data.corpus.name} from {data.corpus.source}: {len(data.corpus.text):,} characters,"
+        log(f"[ddp_course] corpus {data.corpus.name} from {show(data.corpus.source)}: {len(data.corpus.text):,} characters,"
             f" vocabulary {data.tokenizer.vocab_size}; model {n_params:,} parameters")
     metrics = MetricsWriter(out_dir, enabled=info.is_main, append=start_step > 0)
 
@@ -252,7 +253,7 @@ def run_training(cfg: TrainConfig, info: DistInfo) -> dict:
             path = checkpoint.save(out_dir, done, model, optimizer, scaler, info, shape, keep_last=cfg.keep_last,
                                    fmt=cfg.ckpt_format, position=position)  # every rank calls it (collectives)
             if path is not None:
-                log(f"[ddp_course] checkpoint {path}")
+                log(f"[ddp_course] checkpoint {show(path)}")
             t_interval += time.perf_counter() - t0
 
     if cfg.ckpt_interval:  # final.pt: the final parameters, for comparing runs (every rank calls it)
@@ -283,7 +284,7 @@ def run_training(cfg: TrainConfig, info: DistInfo) -> dict:
         write_json(out_dir / "summary.json", summary)
         log(f"[ddp_course] done: {steps_run} steps in {wall:.1f}s, {tokens_per_s:,.0f} tokens/s, "
             f"final loss {loss_avg:.4f}, val_loss {val_loss if val_loss is None else round(val_loss, 4)}; "
-            f"wrote {out_dir}/summary.json")
+            f"wrote {show(out_dir / 'summary.json')}")
     metrics.close()
     return summary
 

@@ -40,6 +40,7 @@ from ddp_course.data import prepare, train_batches
 from ddp_course.dist import DeviceError, log, seed_everything, setup
 from ddp_course.labs._flags import FlagError, parse_flags
 from ddp_course.model import GPTConfig, MiniGPT
+from ddp_course.paths import show
 from ddp_course.train import build_optimizer, make_scaler, train_step
 
 PROG = "torchrun --standalone --nproc_per_node=2 -m ddp_course.labs.amp_ddp"
@@ -162,7 +163,7 @@ def main(argv: list[str]) -> dict[str, Any]:
         out.mkdir(parents=True, exist_ok=True)
         (out / f"amp_ddp_rank{info.rank}.json").write_text(json.dumps(result, indent=1), encoding="utf-8")
         dist.barrier()  # every file is written before rank 0 reports done
-        log(f"[amp_ddp] wrote {out}/amp_ddp_rank*.json")
+        log(f"[amp_ddp] wrote {show(out)}/amp_ddp_rank*.json")
     return result
 
 

@@ -46,6 +46,7 @@ from ddp_course import parallel
 from ddp_course.dist import log, setup
 from ddp_course.labs._flags import FlagError, parse_flags
 from ddp_course.model import GPTConfig, MiniGPT
+from ddp_course.paths import show
 
 PROG = "torchrun --standalone --nproc_per_node=2 -m ddp_course.labs.compile_ddp"
 VOCAB = 65
@@ -348,7 +349,7 @@ def main(argv: list[str]) -> dict[str, Any] | None:
             out = Path(opts["out_dir"])
             out.mkdir(parents=True, exist_ok=True)
             (out / "compile_ddp.json").write_text(json.dumps(result, indent=1), encoding="utf-8")
-            log(f"[compile_ddp] wrote {out / 'compile_ddp.json'}")
+            log(f"[compile_ddp] wrote {show(out / 'compile_ddp.json')}")
         return result
 
 

@@ -57,6 +57,7 @@ from ddp_course.labs.ddp_common import (
 )
 from ddp_course.model import GPTConfig, MiniGPT
 from ddp_course.parallel import ddp as ddp_strategy
+from ddp_course.paths import show
 
 PARTS = ("buckets", "gradhook", "buffers", "unused", "static", "hooks", "join")
 DEFAULTS: dict[str, Any] = {
@@ -543,7 +544,7 @@ def main(argv: list[str]) -> dict[str, Any]:
             result["timings_s"][part] = round(time.perf_counter() - t0, 2)
         if info.is_main:
             write_json(Path(opts["out_dir"]) / "internals.json", result)
-            log(f"[ddp_internals] wrote {Path(opts['out_dir']) / 'internals.json'} (seconds per part: {result['timings_s']})")
+            log(f"[ddp_internals] wrote {show(Path(opts['out_dir']) / 'internals.json')} (seconds per part: {result['timings_s']})")
     return result
 
 

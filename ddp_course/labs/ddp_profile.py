@@ -50,6 +50,7 @@ from ddp_course.labs.ddp_common import (
     write_json,
 )
 from ddp_course.model import GPTConfig, MiniGPT
+from ddp_course.paths import show
 
 VARIANTS = ("overlap", "one_bucket", "by_hand")
 ONE_BUCKET_MB = 1e4  # 10 GB: more than any model of the course, so every gradient lands in one bucket
@@ -201,7 +202,7 @@ def main(argv: list[str]) -> dict[str, Any]:
         if info.is_main:
             path = Path(opts["out_dir"]) / f"{opts['mode']}.json"
             write_json(path, result)
-            log(f"[ddp_profile] wrote {path}")
+            log(f"[ddp_profile] wrote {show(path)}")
     return result
 
 

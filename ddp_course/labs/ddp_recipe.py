@@ -62,6 +62,7 @@ from ddp_course.dist import clean_exit, cpu_count
 from ddp_course.labs._flags import FlagError, parse_flags
 from ddp_course.metrics import write_json
 from ddp_course.model import GPTConfig, MiniGPT
+from ddp_course.paths import show
 
 PROG = "python -m ddp_course.labs.ddp_recipe"
 DEFAULTS: dict[str, Any] = {
@@ -281,7 +282,7 @@ def train_variant(name: str, opts: dict[str, Any], ctx: dict[str, Any], train_ds
                                      "unwrapped": next(iter(raw.state_dict()))},
             "wall_s": time.perf_counter() - t0})
         print(f"[{name}] val_loss {val_loss:.4f}; replicas apart by {end_spread:.2e} at the end; "
-              f"wrote {out}/result.json", flush=True)
+              f"wrote {show(Path(out) / 'result.json')}", flush=True)
     if distributed:
         dist.barrier()
 

@@ -39,6 +39,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from ddp_course import parallel
 from ddp_course.dist import log, setup
 from ddp_course.model import GPTConfig, MiniGPT
+from ddp_course.paths import show
 
 VOCAB = 65  # the size of the course's character vocabulary; the tokens here are random ids
 
@@ -350,7 +351,7 @@ def main(argv: list[str]) -> dict[str, Any]:
             out_dir = Path(opts["out_dir"])
             out_dir.mkdir(parents=True, exist_ok=True)
             (out_dir / "no_sync_lab.json").write_text(json.dumps(out, indent=1), encoding="utf-8")
-            log(f"[no_sync_lab] wrote {out_dir / 'no_sync_lab.json'}")
+            log(f"[no_sync_lab] wrote {show(out_dir / 'no_sync_lab.json')}")
         dist.barrier()
     return out
 

@@ -33,6 +33,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ddp_course.labs._flags import FlagError, parse_flags
+from ddp_course.paths import show
 
 PROG = "python -m ddp_course.labs.spawn_demo"
 DEFAULTS = {"nproc": 2, "out_dir": "runs/spawn_demo", "timeout_s": 30.0}
@@ -117,7 +118,7 @@ def main(argv: list[str]) -> int:
     # The guard below matters: spawn's children import this module; without `if __name__ ==
     # "__main__"` they would each call mp.spawn again.
     mp.spawn(worker, args=(opts["nproc"], port, opts["out_dir"], opts["timeout_s"]), nprocs=opts["nproc"], join=True)
-    print(f"all {opts['nproc']} processes finished; reports in {opts['out_dir']}", flush=True)
+    print(f"all {opts['nproc']} processes finished; reports in {show(opts['out_dir'])}", flush=True)
     return 0
 
 
