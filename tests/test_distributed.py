@@ -25,7 +25,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddp_course import parallel
 from ddp_course.config import TrainConfig
-from ddp_course.dist import DistInfo
+from ddp_course.dist import DistInfo, clean_exit
 from ddp_course.model import GPTConfig, MiniGPT
 from ddp_course.train import build_optimizer, train_step
 
@@ -49,8 +49,9 @@ def _free_port() -> int:
 
 def _init(rank: int, port: int) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
-                            timeout=timedelta(seconds=PG_TIMEOUT_S))
+    with clean_exit():  # spawned workers end like torchrun's (ddp_course/dist.py)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
+                                timeout=timedelta(seconds=PG_TIMEOUT_S))
 
 
 def _model() -> MiniGPT:

@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from conftest import torchrun
 
-from ddp_course.dist import DistInfo
+from ddp_course.dist import DistInfo, clean_exit
 from ddp_course.labs import ddp_common
 from ddp_course.model import GPTConfig, MiniGPT
 from ddp_course.parallel import ddp as ddp_strategy
@@ -76,8 +76,9 @@ def _free_port() -> int:
 
 def _hooks_worker(rank: int, port: int, out: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
-                            timeout=timedelta(seconds=PG_TIMEOUT_S))
+    with clean_exit():  # spawned workers end like torchrun's (ddp_course/dist.py)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
+                                timeout=timedelta(seconds=PG_TIMEOUT_S))
     try:
         g = torch.Generator().manual_seed(100 + rank)  # each rank its own batch
         tokens = torch.randint(GPT.vocab_size, (4, GPT.block_size + 1), generator=g)
