@@ -51,8 +51,11 @@ lab: setup
 	@echo "[lab] starting JupyterLab; open the URL below (lessons/00_setup.ipynb is the first lesson)"
 	$(PY) -m jupyter lab --ip=127.0.0.1 --port=$(PORT) --no-browser $(ROOT_FLAG) --ServerApp.root_dir=$(CURDIR)
 
+# The notebooks run as a learner's completed copies (answers in place of the TODOs, no markers,
+# the solutions' outputs kept for the cells nbval compares): build/learner, rebuilt each time.
 test: setup
-	$(PY) -m pytest tests solutions --nbval-lax --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg \
+	$(PY) tools/make_lessons.py --answered build/learner
+	$(PY) -m pytest tests build/learner --nbval-lax --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg \
 	  --nbval-cell-timeout=600 -p no:cacheprovider $(PYTEST_ARGS)
 
 lessons: setup
@@ -65,4 +68,4 @@ bench-overhead: setup
 	$(PY) -m ddp_course.bench overhead
 
 clean:
-	rm -rf runs solutions/runs lessons/runs bench_results .pytest_cache
+	rm -rf runs solutions/runs lessons/runs bench_results .pytest_cache build/learner

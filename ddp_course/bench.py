@@ -35,6 +35,8 @@ from typing import Any
 
 import torch
 
+from ddp_course.paths import show
+
 PACKAGE_ROOT = Path(__file__).resolve().parents[1]  # the directory holding ddp_course/
 
 
@@ -165,7 +167,7 @@ def _write_result(opts: dict[str, Any], name: str, result: dict[str, Any]) -> Pa
 
     path = Path(opts["out"]) / f"{name}.json"
     write_json(path, result)
-    print(f"[{name}] wrote {path}", flush=True)
+    print(f"[{name}] wrote {show(path)}", flush=True)
     return path
 
 

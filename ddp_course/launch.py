@@ -30,6 +30,7 @@ from typing import Any
 from ddp_course.config import from_dict, to_cli
 from ddp_course.dist import choose_device, cpu_count
 from ddp_course.metrics import read_jsonl
+from ddp_course.paths import shorten
 
 TRAIN_MODULE = "ddp_course.train"
 ONE_PROCESS = ("single", "dp")  # strategies that run in one process without a process group
@@ -312,6 +313,7 @@ def run(module: str = TRAIN_MODULE, nproc: int = 2, *, out_dir: str | os.PathLik
             return  # another rank's line ("[rank 1] ..." from log(), "[rank1]: ..." from torch)
         if echo == "rank0" and bar is not None and line.startswith("step "):
             return  # the bar shows progress and loss; every logged step is in run.metrics
+        line = shorten(line)  # a traceback names files by the machine's paths: print them as the course does
         if bar is not None:
             bar.write(line)
         else:

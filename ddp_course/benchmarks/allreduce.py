@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from ddp_course.labs._flags import FlagError, parse_flags
+from ddp_course.paths import show
 
 NAME = "allreduce"
 MODULE = "ddp_course.benchmarks.allreduce"
@@ -247,7 +248,7 @@ def run_bench(opts: dict[str, Any]) -> dict[str, Any]:
               "environment": environment()}
     base.mkdir(parents=True, exist_ok=True)
     (base / f"{NAME}.json").write_text(json.dumps(result, indent=1), encoding="utf-8")
-    print(f"\n[{NAME}] wrote {base / f'{NAME}.json'}", flush=True)
+    print(f"\n[{NAME}] wrote {show(base / f'{NAME}.json')}", flush=True)
     return result
 
 

@@ -44,6 +44,7 @@ from ddp_course.config import TrainConfig
 from ddp_course.labs._flags import FlagError, parse_flags
 from ddp_course.metrics import environment, saved_activation_bytes
 from ddp_course.model import GPTConfig, MiniGPT
+from ddp_course.paths import show
 from ddp_course.train import DTYPES, autocast, build_optimizer, make_scaler, train_step
 
 NAME = "amp"
@@ -417,7 +418,7 @@ def run_bench(opts: dict[str, Any]) -> dict[str, Any]:
     out = Path(opts["out"])
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{NAME}.json").write_text(json.dumps(result, indent=1, default=str), encoding="utf-8")
-    print(f"\n[amp bench] wrote {out / f'{NAME}.json'}")
+    print(f"\n[amp bench] wrote {show(out / f'{NAME}.json')}")
     return result
 
 

@@ -23,6 +23,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ddp_course.paths import show
+
 NAME = "buckets"
 DEFAULTS: dict[str, Any] = {
     "caps": "0.05,0.1,0.25,0.5,1,2,25",
@@ -123,7 +125,7 @@ def run_options(opts: dict[str, Any], echo: str = "none") -> dict[str, Any]:
     from ddp_course.metrics import write_json
 
     write_json(out / f"{NAME}.json", result)
-    print(f"[{NAME}] wrote {out / f'{NAME}.json'}", flush=True)
+    print(f"[{NAME}] wrote {show(out / f'{NAME}.json')}", flush=True)
     return result
 
 

@@ -42,6 +42,8 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from ddp_course.paths import show
+
 NAME = "dataloader"
 
 DEFAULTS: dict[str, Any] = {
@@ -264,7 +266,7 @@ def run_bench(opts: dict[str, Any]) -> dict[str, Any]:
     out = Path(opts["out"]).resolve()
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{NAME}.json").write_text(json.dumps(result, indent=1), encoding="utf-8")
-    print(f"\nwrote {out / f'{NAME}.json'}")
+    print(f"\nwrote {show(out / f'{NAME}.json')}")
     return result
 
 

@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 
+from ddp_course.paths import show
+
 NAME = "dp_vs_ddp"
 LAB = "ddp_course.labs.train_gpu_memory"
 OPTIONS: dict[str, tuple[Any, str]] = {
@@ -125,7 +127,7 @@ def run(echo: str = "rank0", **overrides: Any) -> dict[str, Any]:
                   "gpus_visible": torch.cuda.device_count() if torch.cuda.is_available() else 0,
                   "options": opts, "environment": environment()}
         write_json(out / f"{NAME}.json", result)
-        print(f"[{NAME}] wrote {out / f'{NAME}.json'}", flush=True)
+        print(f"[{NAME}] wrote {show(out / f'{NAME}.json')}", flush=True)
         return result
 
     visible = torch.cuda.device_count()
@@ -177,7 +179,7 @@ def run(echo: str = "rank0", **overrides: Any) -> dict[str, Any]:
     print(f"\nDDP / DP throughput = {result['ddp_over_dp_tokens_per_s']:.2f}; under DP, GPU 0 peaks at "
           f"{result['dp_gpu0_over_other_gpus_memory']:.2f}x the mean of the other GPUs")
     write_json(out / f"{NAME}.json", result)
-    print(f"[{NAME}] wrote {out / f'{NAME}.json'}", flush=True)
+    print(f"[{NAME}] wrote {show(out / f'{NAME}.json')}", flush=True)
     return result
 
 

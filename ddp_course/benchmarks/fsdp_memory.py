@@ -33,6 +33,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ddp_course.paths import show
+
 NAME = "fsdp_memory"
 SHARDING_TOL = 0.02  # target 1
 CALC_TOL = 0.05  # target 2
@@ -164,7 +166,7 @@ def main(argv: list[str]) -> int:
     out = Path(opts["out"])
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{NAME}.json").write_text(json.dumps(result, indent=1), encoding="utf-8")
-    print(f"wrote {out / (NAME + '.json')}")
+    print(f"wrote {show(out / (NAME + '.json'))}")
     return 0 if all(t["met"] for t in result["targets"].values()) else 1
 
 

@@ -32,6 +32,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ddp_course.paths import show
+
 NAME = "no_sync"
 
 DEFAULTS: dict[str, Any] = {
@@ -286,7 +288,7 @@ def run_bench(opts: dict[str, Any]) -> dict[str, Any]:
               "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None, "environment": environment()}
     base.mkdir(parents=True, exist_ok=True)
     (base / f"{NAME}.json").write_text(json.dumps(result, indent=1), encoding="utf-8")
-    print(f"\nwrote {base / f'{NAME}.json'}")
+    print(f"\nwrote {show(base / f'{NAME}.json')}")
     return result
 
 
