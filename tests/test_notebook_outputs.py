@@ -15,11 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 MACHINE_PATH = re.compile(r"(?<![\w.~$-])/(home|root|work|tmp|Users)/[^\s'\"]*")
 # Notebooks whose committed outputs predate relative paths: re-execute each, then delete it here (the
 # test fails while a notebook is listed and already clean, so the list cannot go stale).
-PENDING = {
-    "01_minigpt.ipynb", "02_collectives.ipynb", "04_ddp.ipynb", "05_inside_ddp.ipynb",
-    "06_grad_accumulation.ipynb", "07_mixed_precision.ipynb", "08_checkpointing.ipynb", "09_fsdp.ipynb",
-    "10_scaling.ipynb",
-}
+PENDING: set[str] = set()
 
 
 def output_texts(cell: dict) -> list[str]:
