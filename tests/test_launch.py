@@ -33,6 +33,13 @@ def tagged_processes(tag: str) -> list[int]:
     return pids
 
 
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:200]
+    except OSError:
+        return "?"
+
+
 pytestmark = pytest.mark.skipif(not Path("/proc").is_dir(), reason="process checks read /proc (Linux)")
 
 
@@ -103,7 +110,14 @@ def test_keyboard_interrupt_stops_every_process(tmp_path):
         workers = tagged_processes(tag)
         assert len(workers) >= 3, f"expected torchrun and 2 workers, found {workers}"
         proc.send_signal(signal.SIGINT)  # what the notebook's stop button sends to the kernel
-        output, _ = proc.communicate(timeout=60)
+        try:
+            output, _ = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:  # say what was still running, and what the launcher printed
+            left = {pid: _cmdline(pid) for pid in tagged_processes(tag)}
+            proc.kill()
+            output, _ = proc.communicate()
+            pytest.fail(f"the launcher did not exit within 60 s of SIGINT; job processes left: {left}\n"
+                        f"its last output:\n{output[-3000:]}")
     finally:
         if proc.poll() is None:
             proc.kill()
