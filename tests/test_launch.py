@@ -95,6 +95,9 @@ def test_keyboard_interrupt_stops_every_process(tmp_path):
     tag = uuid.uuid4().hex
     out = tmp_path / "int"
     script = (
+        # Ctrl-C raises KeyboardInterrupt, as in a notebook kernel, also when this test was started by a
+        # shell that runs it in the background (the child would inherit SIGINT ignored and train on)
+        "import signal\nsignal.signal(signal.SIGINT, signal.default_int_handler)\n"
         "from ddp_course.launch import run\n"
         f"run('ddp_course.train', nproc=2, strategy='ddp', max_steps=10**6, out_dir={str(out)!r}, progress=False,\n"
         f"    env={{'DDP_TEST_TAG': {tag!r}}}, **{dict(TINY)!r})\n"
