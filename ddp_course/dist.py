@@ -218,20 +218,22 @@ def clean_exit() -> Iterator[None]:
     that joins a group by hand (ddp_recipe, exercise 04's harness) wraps its own call.
     """
     global _EXIT_HOOK_INSTALLED
-    guard = os.environ.get("DDP_COURSE_NO_EXIT_GUARD") != "1"
-    if guard:
+    if not _guard_off():
         import torch.distributed.nn.functional  # noqa: F401  (before init: see the comment above)
     if not _EXIT_HOOK_INSTALLED:
         atexit.register(_release_groups)
         _EXIT_HOOK_INSTALLED = True
     yield
-    if guard:
-        _hold_groups()
+    _hold_groups()
+
+
+def _guard_off() -> bool:
+    return os.environ.get("DDP_COURSE_NO_EXIT_GUARD") == "1"
 
 
 def _hold_groups() -> None:
     """Keep a reference to every live process group until exit (see the comment above)."""
-    if os.environ.get("DDP_COURSE_NO_EXIT_GUARD") == "1" or not (dist.is_available() and dist.is_initialized()):
+    if _guard_off() or not (dist.is_available() and dist.is_initialized()):
         return
     # No public API lists the groups; pg_map is the registry destroy_process_group empties.
     groups = [dist.group.WORLD, *dist.distributed_c10d._world.pg_map]
