@@ -29,13 +29,14 @@ from typing import Any
 
 from ddp_course.config import from_dict, to_cli
 from ddp_course.dist import choose_device, cpu_count
-from ddp_course.metrics import read_jsonl
+from ddp_course.metrics import read_jsonl, write_json
 from ddp_course.paths import shorten
 
 TRAIN_MODULE = "ddp_course.train"
 ONE_PROCESS = ("single", "dp")  # strategies that run in one process without a process group
 _JOB_VAR = "DDP_COURSE_JOB"  # every process of a job carries this id, so none can be left behind
 _RANK_PREFIX = re.compile(r"^\[rank ?(\d+)\]")
+RECORD = "launch.json"  # how a job ended, written into its folder: Run.load reads it back
 
 
 class LaunchError(RuntimeError):
@@ -92,6 +93,13 @@ class Run:
         """(steps, values) of one metric, e.g. ``run.series("loss")``."""
         rows = [r for r in self.metrics if key in r]
         return [r["step"] for r in rows], [r[key] for r in rows]
+
+    @classmethod
+    def load(cls, out_dir: str | os.PathLike) -> Run:
+        """The finished job recorded in ``out_dir/launch.json`` (written by :func:`run` when it ends)."""
+        rec = json.loads((Path(out_dir) / RECORD).read_text(encoding="utf-8"))
+        return cls(rec["module"], rec["nproc"], rec["command"], Path(out_dir).resolve(), rec["returncode"],
+                   rec["output"], rec["elapsed_s"], rec["overrides"])
 
     def __repr__(self) -> str:
         s = self.summary or {}
@@ -279,6 +287,7 @@ def run(module: str = TRAIN_MODULE, nproc: int = 2, *, out_dir: str | os.PathLik
     full_env.update(env or {})
     if out_path is not None:
         out_path.mkdir(parents=True, exist_ok=True)
+        (out_path / RECORD).unlink(missing_ok=True)
         for stale in ("metrics.jsonl", "summary.json"):  # a re-run must not show the last run's numbers
             if not overrides.get("resume"):
                 (out_path / stale).unlink(missing_ok=True)
@@ -358,6 +367,10 @@ def run(module: str = TRAIN_MODULE, nproc: int = 2, *, out_dir: str | os.PathLik
         if bar is not None:
             bar.close()
     run_ = Run(module, nproc, cmd, out_path, proc.returncode, "\n".join(output), time.monotonic() - start, overrides)
+    if out_path is not None:
+        write_json(out_path / RECORD, {"module": module, "nproc": nproc, "command": cmd, "overrides": overrides,
+                                       "env": env or {}, "returncode": proc.returncode, "output": run_.output,
+                                       "elapsed_s": run_.elapsed_s, "finished_at": time.time()})
     if check and proc.returncode != 0:
         raise LaunchError(_explain_failure(run_, log_dir), run_)
     return run_

@@ -20,6 +20,14 @@ SHARED_DATA = ROOT.parent / "shared" / "data"
 if "DDP_COURSE_DATA" not in os.environ and (SHARED_DATA / "tinyshakespeare.txt").is_file():
     os.environ["DDP_COURSE_DATA"] = str(SHARED_DATA)
 
+def pytest_sessionstart(session):
+    import time
+
+    import notebook_runs
+
+    notebook_runs.SESSION_START = time.time()  # only notebook runs made from now on are reused
+
+
 TINY = {"n_layer": 1, "n_head": 2, "n_embd": 32, "block_size": 32, "micro_batch_size": 4,
         "eval_batches": 2, "log_interval": 5, "eval_interval": 0}
 

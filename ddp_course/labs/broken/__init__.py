@@ -108,10 +108,13 @@ def launch(key: str, out_dir: str | Path, *, nproc: int = 2, timeout: float = 90
 
         script = ["-m", bug.module, f"--out_dir={out.resolve()}", *(f"--{k}={v}" for k, v in flags.items())]
         return run_two_nodes(out, nproc_per_node=nproc, timeout=timeout, script=script, env=env)
-    if bug.hangs:
-        flags.setdefault("timeout_s", PG_TIMEOUT_S)
     return run(bug.module, nproc=nproc, out_dir=out, timeout=timeout, check=False, progress=False, echo="none",
-               env=env, **flags)
+               env=env, **job_flags(key, **flags))
+
+
+def job_flags(key: str, **flags: Any) -> dict[str, Any]:
+    """The options :func:`launch` passes to program ``key``: ``flags``, and a hanging program's timeout."""
+    return {"timeout_s": PG_TIMEOUT_S, **flags} if BUGS[key].hangs else dict(flags)
 
 
 def launch_all(base_dir: str | Path, keys: list[str] | None = None, **kwargs: Any) -> dict[str, Any]:
