@@ -458,6 +458,9 @@ def run_logged(cmd: list[str], log_path: Path, timeout_s: float, env: dict[str, 
     return time.perf_counter() - t0
 
 
+DDP_VS_THREADS_CPU = "the question is whether N processes with DDP beat one process with N threads on the same cores"
+
+
 @bench("ddp_vs_threads",
        steps=(60, "optimizer steps of each run"), repeats=(1, "runs of each kind, alternating order"),
        nproc=(2, "DDP ranks (1 thread each) = threads of the single process"),
@@ -488,7 +491,8 @@ def ddp_vs_threads(opts: dict[str, Any]) -> dict[str, Any]:
     base_dir = Path(opts["out"]).resolve() / "ddp_vs_threads"
     n = opts["nproc"]
     common = {k: opts[k] for k in ("n_layer", "n_head", "n_embd", "block_size", "log_interval", "corpus")}
-    common |= {"max_steps": opts["steps"], "device": "cpu", "eval_interval": 0, "eval_batches": 1}
+    common |= {"max_steps": opts["steps"], "eval_interval": 0, "eval_batches": 1}
+    common["device"] = "cpu"  # by design: processes against threads on one CPU (DDP_VS_THREADS_CPU)
     kinds = {
         "ddp": ({**common, "strategy": "ddp", "threads": 1, "micro_batch_size": opts["batch"] // n}, 1),
         "threads": ({**common, "strategy": "single", "threads": n, "micro_batch_size": opts["batch"]}, n),
@@ -507,6 +511,7 @@ def ddp_vs_threads(opts: dict[str, Any]) -> dict[str, Any]:
         return [sys.executable, "-m", "ddp_course.train", *flags]
 
     label = {"ddp": f"DDP {n} ranks x 1 thread", "threads": f"1 process x {n} threads"}
+    print(f"[ddp_vs_threads] CPU with gloo by design: {DDP_VS_THREADS_CPU}", flush=True)
     print(f"[ddp_vs_threads] {label['ddp']} (micro batch {opts['batch'] // n}) vs {label['threads']} "
           f"(micro batch {opts['batch']}); {opts['steps']} steps, {opts['repeats']} run(s) each; "
           f"runs in {base_dir}", flush=True)

@@ -16,7 +16,7 @@ import os
 import random
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
@@ -58,16 +58,37 @@ def cpu_count() -> int:
         return os.cpu_count() or 1
 
 
+# Test-only: lets several ranks share one GPU through gloo with CUDA tensors, so that the DDP code
+# path with CUDA tensors can be exercised on a machine with a single GPU. Never the course's own
+# choice: NCCL refuses two ranks on one GPU, and a timing taken this way says nothing about NCCL.
+SHARED_GPU_VAR = "DDP_COURSE_TEST_GLOO_SHARED_GPU"
+
+
+def shared_gpu_for_tests() -> bool:
+    """True when ``DDP_COURSE_TEST_GLOO_SHARED_GPU=1`` is set (the tests' one-GPU option, see above)."""
+    return os.environ.get(SHARED_GPU_VAR) == "1"
+
+
 def choose_device(requested: str, local_world_size: int = 1) -> tuple[torch.device, str, str]:
     """Return (device type, backend, reason) for ``--device`` given the processes on this node.
 
     CUDA with NCCL only when every local rank has a GPU of its own: NCCL refuses two ranks on one
-    GPU, so with fewer GPUs than local ranks the course uses CPU with gloo and says so.
+    GPU, so with fewer GPUs than local ranks the course uses CPU with gloo and says so. Only the
+    test-only ``DDP_COURSE_TEST_GLOO_SHARED_GPU=1`` changes that: the ranks then share the GPUs with
+    gloo (CUDA tensors, never NCCL).
     """
     have_cuda = torch.cuda.is_available()
     n_gpu = torch.cuda.device_count() if have_cuda else 0
+    if requested not in ("auto", "cpu", "cuda"):
+        raise DeviceError(f"--device={requested!r} is not one of auto, cpu, cuda.")
     if requested == "cpu":
         return torch.device("cpu"), "gloo", "CPU with gloo (requested with --device=cpu)"
+    if have_cuda and n_gpu >= local_world_size:
+        return torch.device("cuda"), "nccl", f"CUDA with NCCL ({n_gpu} GPU(s), one per process)"
+    if have_cuda and shared_gpu_for_tests():
+        return (torch.device("cuda"), "gloo",
+                f"CUDA with gloo: {local_world_size} processes sharing {n_gpu} GPU(s) ({SHARED_GPU_VAR}=1, "
+                "a test-only option: NCCL refuses two ranks on one GPU)")
     if requested == "cuda":
         if not have_cuda:
             raise DeviceError(
@@ -75,20 +96,40 @@ def choose_device(requested: str, local_world_size: int = 1) -> tuple[torch.devi
                 f"(torch {torch.__version__}, torch.cuda.is_available() is False). Use --device=auto "
                 "(falls back to CPU with gloo) or --device=cpu; on a GPU machine, install a CUDA build "
                 "of PyTorch (see the README).")
-        if n_gpu < local_world_size:
-            raise DeviceError(
-                f"--device=cuda with {local_world_size} processes on this node, but only {n_gpu} GPU(s): "
-                "NCCL needs one GPU per process. Launch with --nproc_per_node="
-                f"{n_gpu} or use --device=cpu (gloo) to run {local_world_size} processes on the CPU.")
-        return torch.device("cuda"), "nccl", f"CUDA with NCCL ({n_gpu} GPU(s), one per process)"
-    if requested != "auto":
-        raise DeviceError(f"--device={requested!r} is not one of auto, cpu, cuda.")
-    if have_cuda and n_gpu >= local_world_size:
-        return torch.device("cuda"), "nccl", f"CUDA with NCCL ({n_gpu} GPU(s), one per process)"
+        raise DeviceError(
+            f"--device=cuda with {local_world_size} processes on this node, but only {n_gpu} GPU(s): "
+            "NCCL needs one GPU per process. Launch with --nproc_per_node="
+            f"{n_gpu} or use --device=cpu (gloo) to run {local_world_size} processes on the CPU.")
     if have_cuda:
         return (torch.device("cpu"), "gloo",
                 f"CPU with gloo: {local_world_size} processes but {n_gpu} GPU(s), and NCCL needs one GPU each")
     return torch.device("cpu"), "gloo", "CPU with gloo: no CUDA GPU visible"
+
+
+def choose_study_device(requested: str, nprocs: Sequence[int]) -> tuple[str, list[int], str]:
+    """One device for a benchmark that runs one job per process count in ``nprocs``.
+
+    Returns (``"cpu"`` or ``"cuda"``, the process counts to run, reason). Every job of a study runs
+    on the same kind of device: with ``auto``, a study whose small jobs fit on the GPUs but whose
+    large ones do not would otherwise compare a GPU with a CPU. So ``auto`` keeps the process counts
+    that get a GPU each when at least two of them do (the others are left out, and the reason says
+    so); otherwise every job runs on the CPU. ``cuda`` needs a GPU per process for every count.
+    Raises :class:`DeviceError` as :func:`choose_device` does.
+    """
+    sizes = sorted(set(nprocs))
+    picks = {n: choose_device(requested, n) for n in sizes}
+    kinds = {n: p[0].type for n, p in picks.items()}
+    largest = picks[sizes[-1]]
+    if len(set(kinds.values())) == 1:
+        return kinds[sizes[-1]], sizes, largest[2]
+    on_gpu = [n for n in sizes if kinds[n] == "cuda"]
+    left = [n for n in sizes if kinds[n] != "cuda"]
+    n_gpu = torch.cuda.device_count()
+    if len(on_gpu) >= 2:
+        return "cuda", on_gpu, (f"{picks[on_gpu[-1]][2]}; left out {', '.join(map(str, left))} process(es): "
+                                f"{n_gpu} GPU(s), and NCCL needs one GPU per process")
+    return "cpu", sizes, (f"CPU with gloo for every job: {n_gpu} GPU(s) cannot give each of {sizes[-1]} processes "
+                          "its own, and a study on mixed devices would compare the devices, not the process counts")
 
 
 def launched_by_torchrun() -> bool:
@@ -96,11 +137,15 @@ def launched_by_torchrun() -> bool:
 
 
 @contextmanager
-def setup(device: str = "auto", timeout_s: float = 120.0, threads: int = 0) -> Iterator[DistInfo]:
+def setup(device: str = "auto", timeout_s: float = 120.0, threads: int = 0, because: str = "") -> Iterator[DistInfo]:
     """Join the process group torchrun prepared (or run as one process) and always leave it.
 
+    ``because`` is the reason a program pins ``device="cpu"`` on any machine; it becomes the
+    ``device_reason`` ("CPU with gloo by design: ..."), which the program prints in its first line.
     Issues no collective except the rendezvous inside ``init_process_group``.
     """
+    if because and device != "cpu":
+        raise ValueError(f"because= gives the reason for pinning the CPU; pass device='cpu' (got {device!r}).")
     env = os.environ
     distributed = launched_by_torchrun()
     rank = int(env.get("RANK", 0))
@@ -109,10 +154,14 @@ def setup(device: str = "auto", timeout_s: float = 120.0, threads: int = 0) -> I
     local_world_size = int(env.get("LOCAL_WORLD_SIZE", 1))
 
     dev_type, backend, reason = choose_device(device, local_world_size)
+    if because:
+        reason = f"CPU with gloo by design: {because}"
     if dev_type.type == "cuda":
-        # Pin by LOCAL_RANK: global RANK would point past the last GPU on the second node.
-        torch.cuda.set_device(local_rank)
-        torch_device = torch.device("cuda", local_rank)
+        # Pin by LOCAL_RANK: global RANK would point past the last GPU on the second node. (Ranks share
+        # the GPUs only under the test-only gloo option, where backend is gloo.)
+        index = local_rank if backend == "nccl" else local_rank % torch.cuda.device_count()
+        torch.cuda.set_device(index)
+        torch_device = torch.device("cuda", index)
     else:
         torch_device = torch.device("cpu")
         n = threads or max(1, cpu_count() // local_world_size)

@@ -64,16 +64,20 @@ def timeline(traces: Mapping[str, Mapping[str, Any]], *, step: int = -1, title: 
     if axes is None:
         fig, axes = plt.subplots(n, 1, figsize=(10, 1.9 * n + 0.6), sharex=True, squeeze=False)
         axes = axes[:, 0]
-    lanes = ["phase", "autograd (backward)", "all-reduce (comm thread)"]
     for ax, (label, tr) in zip(axes, traces.items()):
+        gpu = tr.get("timeline") == "gpu"  # GPU kernels: placed in the step that launched them
+        lanes = (["phase (CPU)", "backward kernels (GPU)", "all-reduce (GPU)"] if gpu else
+                 ["phase", "autograd (backward)", "all-reduce (comm thread)"])
         s = tr["steps"][step]
         t0, t1 = s["start"], s["end"]
+        if gpu:
+            t1 = max([t1, *(e["end"] for e in tr["compute"] + tr["comm"] if t0 <= e.get("launched", e["start"]) < t1)])
 
-        def within(spans, t0=t0, t1=t1):
-            return [(e["start"] - t0, e["end"] - e["start"]) for e in spans if t0 <= e["start"] < t1]
+        def within(spans, t0=t0, t1=s["end"]):
+            return [(e["start"] - t0, e["end"] - e["start"]) for e in spans if t0 <= e.get("launched", e["start"]) < t1]
 
         for e in tr["phases"]:
-            if t0 <= e["start"] < t1:
+            if t0 <= e["start"] < s["end"]:
                 ax.broken_barh([(e["start"] - t0, e["end"] - e["start"])], (2.6, 0.8),
                                facecolors=PHASE_COLOURS.get(e["name"], "#dddddd"), edgecolor="grey", linewidth=0.5)
         ax.broken_barh(within(tr["compute"]), (1.6, 0.8), facecolors=COMPUTE_COLOUR, linewidth=0)

@@ -8,7 +8,8 @@ Starts one job, ``torchrun --standalone --nproc_per_node=N -m ddp_course.labs.dd
 --mode=sweep ...``: every rank wraps the same MiniGPT in DDP once per bucket size, counts the
 all-reduces of one step (one per bucket), then times forward + backward + SGD step for each size,
 ``--rounds`` rounds of ``--steps`` steps in alternating order (a step counts when the slowest rank is
-done). Small buckets start communicating early (more overlap with backward) but pay a fixed cost
+done). ``--device=auto`` (default) runs on the GPUs with NCCL when every rank has one, else on the
+CPU with gloo; the first line says which. Small buckets start communicating early (more overlap with backward) but pay a fixed cost
 per message; one big bucket waits for the whole backward. Where the optimum lies depends on the
 machine, which is why this is measured here rather than quoted.
 
@@ -31,18 +32,20 @@ DEFAULTS: dict[str, Any] = {
     "nproc": 2,
     "n_layer": 4, "n_head": 4, "n_embd": 128, "block_size": 64, "micro_batch_size": 8,
     "steps": 8, "rounds": 3, "warmup": 3, "threads": 1,
+    "device": "auto",
     "seed": 1337,
     "timeout_s": 600.0,
     "out": "bench_results",
 }
 HELP = {
     "caps": "bucket sizes to time, in MB (comma-separated)",
-    "nproc": "DDP ranks (CPU processes with gloo)",
+    "nproc": "DDP ranks",
     "n_layer": "transformer blocks", "n_head": "attention heads", "n_embd": "model width",
     "block_size": "tokens per sequence", "micro_batch_size": "sequences per rank per step",
     "steps": "steps per timed measurement", "rounds": "timed rounds, bucket sizes in alternating order",
     "warmup": "untimed steps per bucket size first (at least 2: DDP rebuilds its buckets after step 1)",
-    "threads": "CPU threads per rank",
+    "threads": "CPU threads per rank (on the CPU)",
+    "device": "auto (NCCL on GPUs when each rank has one, else gloo on CPU) | cpu | cuda",
     "seed": "model init and data",
     "timeout_s": "wall-clock limit of the job (all its processes are stopped after it)",
     "out": "directory for buckets.json and the job's folder",
@@ -70,6 +73,8 @@ def parse_options(argv: list[str]) -> dict[str, Any]:
     for key in ("nproc", "steps", "rounds", "threads", "micro_batch_size", "block_size"):
         if opts[key] < 1:
             raise BenchError(f"--{key} must be at least 1 (got {opts[key]}).")
+    if opts["device"] not in ("auto", "cpu", "cuda"):
+        raise BenchError(f"--device must be auto, cpu or cuda (got {opts['device']!r}).")
     if opts["nproc"] < 2:
         raise BenchError("--nproc must be at least 2: with one rank there is nothing to all-reduce.")
     if opts["warmup"] < 2:
@@ -88,18 +93,24 @@ def table(result: dict[str, Any]) -> str:
     best = min(rows, key=lambda r: r["median_ms"])
     lines.append(f"\nfastest: bucket_cap_mb={best['bucket_cap_mb']:g} ({best['median_ms']:.1f} ms per step); "
                  f"model gradients {result['model_bytes'] / 2**20:.2f} MB; {result['world_size']} ranks, "
-                 f"{result['backend']}, {result['threads_per_rank']} thread(s) each")
+                 f"{result['backend']} on {result['device']}"
+                 + (f", {result['threads_per_rank']} thread(s) each" if result["device"] == "cpu" else ""))
     return "\n".join(lines)
 
 
 def run_options(opts: dict[str, Any], echo: str = "none") -> dict[str, Any]:
+    from ddp_course.dist import DeviceError, choose_device
     from ddp_course.launch import LaunchError, run
 
     out = Path(opts["out"])
     job_dir = out / NAME
     lab = {k: opts[k] for k in ("n_layer", "n_head", "n_embd", "block_size", "micro_batch_size", "steps", "rounds",
-                                "warmup", "threads", "seed")}
-    print(f"[{NAME}] {opts['nproc']} ranks, bucket sizes {opts['caps']} MB, {opts['rounds']} rounds of "
+                                "warmup", "threads", "device", "seed")}
+    try:
+        _, _, reason = choose_device(opts["device"], opts["nproc"])  # what every rank of the job will choose
+    except DeviceError as exc:
+        raise BenchError(str(exc)) from None
+    print(f"[{NAME}] {opts['nproc']} ranks, {reason}; bucket sizes {opts['caps']} MB, {opts['rounds']} rounds of "
           f"{opts['steps']} steps each", flush=True)
     (job_dir / "sweep.json").unlink(missing_ok=True)
     try:
@@ -118,7 +129,8 @@ def run_options(opts: dict[str, Any], echo: str = "none") -> dict[str, Any]:
     except (AttributeError, OSError):
         load = None
     result = {"bench": NAME, "options": opts, "rows": sweep["rows"], "model_bytes": sweep["model_bytes"],
-              "world_size": sweep["world_size"], "backend": sweep["backend"],
+              "world_size": sweep["world_size"], "backend": sweep["backend"], "device": sweep["device"],
+              "device_reason": sweep["device_reason"],
               "threads_per_rank": sweep["threads_per_rank"], "cpu_count": os.cpu_count(), "load_average": load,
               "environment": environment()}
     print(table(result), flush=True)

@@ -16,8 +16,9 @@ inductor: real code generation, which on a CPU needs a C++ compiler) and ``--tim
 - **break-even** -- the compile time (warm, and cold) divided by the time saved per step (none when
   compiled steps are not faster).
 
-Speed on a CPU with a small model says little about a GPU, where fusing kernels pays most; the bench
-reports what it measures and says which device it ran on. Not run by the tests (it takes minutes).
+Speed on a CPU with a small model says little about a GPU, where fusing kernels pays most:
+``--device=auto`` (default) runs on the GPUs with NCCL when every process has one, else on the CPU,
+and the bench says which device it ran on. Not run by the tests (it takes minutes).
 Prints a table and writes ``<out>/compile_ddp.json`` (``--out`` defaults to ``bench_results``).
 """
 
@@ -43,6 +44,7 @@ DEFAULTS: dict[str, Any] = {
     "n_layer": 2, "n_head": 4, "n_embd": 192, "block_size": 64,
     "micro_batch_size": 8,
     "timing_steps": 20,
+    "device": "auto",
     "timeout_s": 900.0,
     "out": "bench_results",
 }
@@ -54,6 +56,7 @@ HELP = {
     "n_layer": "transformer blocks", "n_head": "attention heads", "n_embd": "model width",
     "block_size": "tokens per sequence", "micro_batch_size": "sequences per rank per step",
     "timing_steps": "steady-state steps timed (after two warm-up steps)",
+    "device": "auto (NCCL on GPUs when each process has one, else gloo on CPU) | cpu | cuda",
     "timeout_s": "wall-clock limit of the job",
     "out": "directory for compile_ddp.json and the lab's run folder",
 }
@@ -74,12 +77,15 @@ def parse_options(argv: list[str]) -> dict[str, Any]:
         raise
     if opts["nproc"] < 2:
         raise BenchError("--nproc must be at least 2: the lab compiles a DDP model.")
+    if opts["device"] not in ("auto", "cpu", "cuda"):
+        raise BenchError(f"--device must be auto, cpu or cuda (got {opts['device']!r}).")
     if opts["backend"] not in ("inductor", "aot_eager", "eager"):
         raise BenchError(f"--backend must be inductor, aot_eager or eager (got {opts['backend']!r}).")
     return opts
 
 
 def run_bench(opts: dict[str, Any]) -> dict[str, Any]:
+    from ddp_course.dist import DeviceError, choose_device
     from ddp_course.launch import LaunchError, run
 
     base = Path(opts["out"]).resolve()
@@ -89,8 +95,12 @@ def run_bench(opts: dict[str, Any]) -> dict[str, Any]:
     if cold_dir:
         env["TORCHINDUCTOR_CACHE_DIR"] = cold_dir
     flags = {k: opts[k] for k in ("backend", "n_layer", "n_head", "n_embd", "block_size", "micro_batch_size",
-                                  "timing_steps")}
-    print(f"[compile_ddp] {opts['nproc']} processes, backend {opts['backend']}, "
+                                  "timing_steps", "device")}
+    try:
+        _, _, reason = choose_device(opts["device"], opts["nproc"])  # what every rank of the job will choose
+    except DeviceError as exc:
+        raise BenchError(str(exc)) from None
+    print(f"[compile_ddp] {opts['nproc']} processes, {reason}; backend {opts['backend']}, "
           f"{'an empty' if opts['cold'] else 'the existing'} inductor cache; MiniGPT {opts['n_layer']} x "
           f"{opts['n_embd']}, {opts['micro_batch_size']} x {opts['block_size']} tokens per rank", flush=True)
     try:
@@ -115,8 +125,9 @@ def run_bench(opts: dict[str, Any]) -> dict[str, Any]:
         "cold_break_even_steps": (a["first_step_s"] / t["saved_per_step_s"]) if t["saved_per_step_s"] > 0 else None,
         "losses_match_eager": a["matches_eager"],
         "graphs_compiled": a["backend_compiles"],
+        "device": lab["device"], "process_group_backend": lab["backend"],
     }
-    print()
+    print(f"\nmeasured on {lab['device_reason']}")
     print(f"first step, cold cache ({'fresh' if opts['cold'] else 'as found'}):  {res['cold_compile_first_step_s']:8.2f} s")
     print(f"first step, warm cache ({res['warm_cache_hits']} hits):     {res['warm_compile_first_step_s']:8.2f} s")
     print(f"steady step, eager DDP:               {res['eager_step_s'] * 1e3:8.2f} ms")

@@ -5,7 +5,8 @@
 
 One process plays one rank of a training job: it takes batches from a ``torch.utils.data.DataLoader``
 and, for each, runs a forward and backward of MiniGPT (``--consumer=train``; ``none`` times the
-loader alone). The dataset tokenizes its windows of Tiny Shakespeare *when they are read*, each window
+loader alone) on ``--device`` (``auto``, the default: the first GPU if there is one, else the CPU; a
+step on a GPU leaves the CPU's cores to the workers, which is where the two differ). The dataset tokenizes its windows of Tiny Shakespeare *when they are read*, each window
 ``--repeats`` times: real CPU work in Python per sample, standing in for the decoding and augmentation a
 real input pipeline does. Every configuration reads the same batches.
 
@@ -59,6 +60,7 @@ DEFAULTS: dict[str, Any] = {
     "epochs": 3,
     "epoch_batches": 4,
     "threads": 1,
+    "device": "auto",
     "corpus": "tinyshakespeare",
     "seed": 0,
     "out": "bench_results",
@@ -77,6 +79,7 @@ HELP = {
     "epochs": "short epochs for the persistent_workers comparison",
     "epoch_batches": "batches per short epoch",
     "threads": "torch threads of the training process (workers use 1)",
+    "device": "auto (the first GPU, else CPU) | cpu | cuda: where the consumer's forward and backward run",
     "corpus": "tinyshakespeare | offline | a path",
     "seed": "sample order",
     "out": "directory for dataloader.json",
@@ -131,6 +134,8 @@ def parse_options(argv: list[str]) -> dict[str, Any]:
     for key in ("batches", "rounds", "batch_size", "block_size", "repeats", "epochs", "epoch_batches", "threads"):
         if opts[key] < 1:
             raise BenchError(f"--{key} must be at least 1 (got {opts[key]}).")
+    if opts["device"] not in ("auto", "cpu", "cuda"):
+        raise BenchError(f"--device must be auto, cpu or cuda (got {opts['device']!r}).")
     if opts["consumer"] not in ("train", "none"):
         raise BenchError(f"--consumer must be train or none (got {opts['consumer']!r}).")
     return opts
@@ -166,10 +171,16 @@ def measure(loader_kwargs: dict[str, Any], ds: Dataset, order: list[int], opts: 
 
 def run_bench(opts: dict[str, Any]) -> dict[str, Any]:
     from ddp_course.data import CharTokenizer, load_corpus
-    from ddp_course.dist import cpu_count
+    from ddp_course.dist import DeviceError, choose_device, cpu_count
     from ddp_course.metrics import environment
     from ddp_course.model import GPTConfig, MiniGPT
 
+    try:
+        device_type, _, reason = choose_device(opts["device"], 1)  # one process: the first GPU, if any
+    except DeviceError as exc:
+        raise BenchError(str(exc)) from None
+    device = torch.device("cuda", torch.cuda.current_device()) if device_type.type == "cuda" else torch.device("cpu")
+    reason = reason.replace(" with gloo", "").replace(" with NCCL", "")  # one process: no backend
     torch.set_num_threads(opts["threads"])
     corpus = load_corpus(opts["corpus"], announce=print)
     tok = CharTokenizer.from_text(corpus.text)
@@ -186,12 +197,14 @@ def run_bench(opts: dict[str, Any]) -> dict[str, Any]:
     if opts["consumer"] == "train":
         torch.manual_seed(opts["seed"])
         model = MiniGPT(GPTConfig(vocab_size=tok.vocab_size, block_size=opts["block_size"], n_layer=opts["n_layer"],
-                                  n_head=opts["n_head"], n_embd=opts["n_embd"]))
+                                  n_head=opts["n_head"], n_embd=opts["n_embd"])).to(device)
 
         def step(x, y):
-            _, loss = model(x, y)
+            _, loss = model(x.to(device), y.to(device))
             loss.backward()
             model.zero_grad(set_to_none=True)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)  # the step's time is its kernels', not their queueing
         for _ in range(3):  # warm-up: allocations, first kernels
             step(*next(iter(DataLoader(ds, batch_size=opts["batch_size"], sampler=order[:opts["batch_size"]]))))
     else:
@@ -200,7 +213,8 @@ def run_bench(opts: dict[str, Any]) -> dict[str, Any]:
 
     print(f"[dataloader] {cores} core(s) visible; one sample costs {sample_s * 1e3:.2f} ms to read "
           f"({opts['repeats']} tokenizer passes over {opts['block_size'] + 1} characters), a batch of "
-          f"{opts['batch_size']} {opts['batch_size'] * sample_s * 1e3:.1f} ms; consumer: {opts['consumer']}", flush=True)
+          f"{opts['batch_size']} {opts['batch_size'] * sample_s * 1e3:.1f} ms; consumer: {opts['consumer']}"
+          + (f" on {reason}" if opts["consumer"] == "train" else ""), flush=True)
 
     configs: list[tuple[str, str, dict[str, Any]]] = [(f"num_workers={w}", "workers", {"num_workers": w})
                                                       for w in opts["workers"]]
@@ -259,7 +273,8 @@ def run_bench(opts: dict[str, Any]) -> dict[str, Any]:
         r["speedup_vs_0_workers"] = base["per_batch_s"] / r["per_batch_s"]
         print(f"{r['label']:<36} {r['wait_per_batch_s'] * 1e3:>8.2f} {r['compute_per_batch_s'] * 1e3:>10.2f} "
               f"{r['per_batch_s'] * 1e3:>9.2f} {r['speedup_vs_0_workers']:>8.2f}")
-    result = {"bench": NAME, "options": opts, "cpu_count": cores, "sample_s": sample_s,
+    result = {"bench": NAME, "options": opts, "device": device.type, "device_reason": reason,
+              "cpu_count": cores, "sample_s": sample_s,
               "batch_read_s": sample_s * opts["batch_size"], "rows": rows, "persistent": persistent,
               "pin_memory": pin_memory, "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None,
               "environment": environment()}

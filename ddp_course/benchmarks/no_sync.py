@@ -14,9 +14,12 @@ per step, and the bench times one all-reduce of the whole gradient (the fastest 
 what ``no_sync`` saves on each of the K - 1 non-final micro-steps.
 
 World size 1 still runs DDP (a process group of one): what ``no_sync`` saves there is DDP's own
-bookkeeping, not communication. On a CPU each rank uses ``--threads`` threads (default 1), so more
-ranks than cores (4 on a 2-core machine) oversubscribe the CPU: the bench says so and the times then
-include waiting for a core.
+bookkeeping, not communication. ``--device=auto`` (default) runs every job on the GPUs with NCCL when
+each rank gets a GPU of its own -- leaving out the world sizes that would not, as long as two are
+left -- and every job on the CPU with gloo otherwise (``ddp_course.dist.choose_study_device``: one
+bench, one kind of device); the first line says which. On a CPU each rank uses ``--threads`` threads
+(default 1), so more ranks than cores (4 on a 2-core machine) oversubscribe the CPU: the bench says
+so and the times then include waiting for a core.
 
 Prints a table and writes ``<out>/no_sync.json`` (``--out`` defaults to ``bench_results``).
 """
@@ -49,7 +52,7 @@ DEFAULTS: dict[str, Any] = {
     "n_embd": 128,
     "bucket_cap_mb": 25.0,
     "threads": 1,
-    "device": "cpu",
+    "device": "auto",
     "seed": 0,
     "timeout_s": 300.0,
     "out": "bench_results",
@@ -68,7 +71,7 @@ HELP = {
     "n_layer": "transformer blocks", "n_head": "attention heads", "n_embd": "model width",
     "bucket_cap_mb": "DDP gradient bucket size",
     "threads": "CPU threads per process",
-    "device": "cpu | auto | cuda (cuda needs one GPU per process)",
+    "device": "auto (GPUs when each rank of a job gets one, else CPU; one device for every job) | cpu | cuda",
     "seed": "model init and data",
     "timeout_s": "wall-clock limit of each job (all its processes are stopped after it)",
     "out": "directory for no_sync.json and the per-job folders",
@@ -221,12 +224,18 @@ def worker(opts: dict[str, Any]) -> None:
 
 def run_bench(opts: dict[str, Any]) -> dict[str, Any]:
     """Run the bench with parsed options; returns the result written to ``<out>/no_sync.json``."""
-    from ddp_course.dist import cpu_count
+    from ddp_course.dist import DeviceError, choose_study_device, cpu_count
     from ddp_course.launch import LaunchError, run
     from ddp_course.metrics import environment
 
     base = Path(opts["out"]).resolve()
     cores = cpu_count()
+    try:  # one kind of device for every job of the bench (and the world sizes that fit on it)
+        device, world_sizes, reason = choose_study_device(opts["device"], opts["world_sizes"])
+    except DeviceError as exc:
+        raise BenchError(str(exc)) from None
+    opts = {**opts, "device": device, "world_sizes": world_sizes}
+    print(f"[no_sync bench] {reason}", flush=True)
     print(f"[no_sync bench] K = {', '.join(map(str, opts['ks']))} on {', '.join(map(str, opts['world_sizes']))} "
           f"process(es), {opts['threads']} thread(s) each, {cores} core(s) visible; MiniGPT {opts['n_layer']} layers x "
           f"{opts['n_embd']} wide, micro-batch {opts['micro_batch_size']} x {opts['block_size']} tokens; "
@@ -284,7 +293,7 @@ def run_bench(opts: dict[str, Any]) -> dict[str, Any]:
         print(f"world {job['world_size']}: one all-reduce of the {job['n_params']:,}-parameter gradient takes "
               f"{job['allreduce_s'] * 1e3:.2f} ms ({job['n_buckets']} bucket(s), {job['backend']} on {job['device']})"
               + (" [oversubscribed]" if job["oversubscribed"] else ""))
-    result = {"bench": NAME, "options": opts, "cpu_count": cores, "jobs": jobs,
+    result = {"bench": NAME, "options": opts, "device_reason": reason, "cpu_count": cores, "jobs": jobs,
               "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None, "environment": environment()}
     base.mkdir(parents=True, exist_ok=True)
     (base / f"{NAME}.json").write_text(json.dumps(result, indent=1), encoding="utf-8")

@@ -35,9 +35,12 @@ compute, backward communication and their overlap, sampled by DDP on some iterat
 beside them as a second opinion. Each phase is the median over ``--phase_steps`` steps, from the
 slowest rank (a step ends when the last rank is done).
 
-Each process uses ``--threads`` CPU threads (default 1), so n processes want n cores: on a machine
-with fewer cores than processes x threads the bench says so, and the figures then include waiting
-for a core. Prints a table and writes ``<out>/scaling.json`` (``--out`` defaults to ``bench_results``).
+``--device=auto`` (default) runs every job on the GPUs with NCCL when each process gets a GPU of its
+own -- leaving out the process counts that would not, as long as two are left -- and every job on the
+CPU with gloo otherwise (``ddp_course.dist.choose_study_device``: one study, one kind of device).
+The first line says which. On the CPU each process uses ``--threads`` threads (default 1), so n
+processes want n cores: on a machine with fewer cores than processes x threads the bench says so,
+and the figures then include waiting for a core. Prints a table and writes ``<out>/scaling.json`` (``--out`` defaults to ``bench_results``).
 """
 
 from __future__ import annotations
@@ -67,7 +70,7 @@ DEFAULTS: dict[str, Any] = {
     "n_embd": 64,
     "block_size": 64,
     "threads": 1,
-    "device": "cpu",
+    "device": "auto",
     "corpus": "tinyshakespeare",
     "seed": 1337,
     "timeout_s": 300.0,
@@ -86,7 +89,7 @@ HELP = {
     "n_layer": "transformer blocks", "n_head": "attention heads", "n_embd": "model width",
     "block_size": "tokens per sequence",
     "threads": "CPU threads per process",
-    "device": "cpu | auto | cuda (cuda needs one GPU per process)",
+    "device": "auto (GPUs when each process of a job gets one, else CPU; one device for every job) | cpu | cuda",
     "corpus": "tinyshakespeare | offline | a path",
     "seed": "model init and data order",
     "timeout_s": "wall-clock limit of each job (all its processes are stopped after it)",
@@ -283,12 +286,18 @@ def worker(opts: dict[str, Any]) -> None:
 
 def run_bench(opts: dict[str, Any]) -> dict[str, Any]:
     """Run the bench with parsed options; returns the result written to ``<out>/scaling.json``."""
-    from ddp_course.dist import cpu_count
+    from ddp_course.dist import DeviceError, choose_study_device, cpu_count
     from ddp_course.launch import LaunchError, run
     from ddp_course.metrics import environment
 
     base = Path(opts["out"]).resolve()
     cores = cpu_count()
+    try:  # one kind of device for every job of the study (and the process counts that fit on it)
+        device, nprocs, reason = choose_study_device(opts["device"], opts["nprocs"])
+    except DeviceError as exc:
+        raise BenchError(str(exc)) from None
+    opts = {**opts, "device": device, "nprocs": nprocs}
+    print(f"[scaling] {reason}", flush=True)
     print(f"[scaling] {', '.join(map(str, opts['nprocs']))} process(es) x {opts['threads']} thread(s), {cores} core(s) "
           f"visible; MiniGPT {opts['n_layer']} layers x {opts['n_embd']} wide, {opts['block_size']} tokens per sequence; "
           f"weak: {opts['micro_batch_size']} sequences per rank, strong: {opts['global_batch']} per step in all; "
@@ -346,7 +355,8 @@ def run_bench(opts: dict[str, Any]) -> dict[str, Any]:
               f"{p['allreduce_full_gradient'] * 1e3:>12.2f}")
     print(f"\nstrong scaling: final losses {', '.join(f'{v:.6f}' for v in strong_losses)} "
           f"(largest difference {strong_gap:.1e}: the same global batch trains the same model)")
-    result = {"bench": NAME, "options": opts, "cpu_count": cores, "weak": table["weak"], "strong": table["strong"],
+    result = {"bench": NAME, "options": opts, "device_reason": reason, "cpu_count": cores,
+              "weak": table["weak"], "strong": table["strong"],
               "phases": phases, "jobs": jobs, "strong_final_loss_gap": strong_gap,
               "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None, "environment": environment()}
     base.mkdir(parents=True, exist_ok=True)

@@ -15,7 +15,8 @@ SIGKILL cannot be caught -- no ``finally``, no ``atexit`` runs -- exactly like t
 out-of-memory killer or a machine losing power. The process dies with status -9 (under torchrun,
 torchrun then stops the other ranks): the job is *meant* to fail. Afterwards, ``latest`` still
 names checkpoint 1, which loads and has the fingerprint in ``ckpt_kill.json``; the half-written
-``.tmp`` is removed by the next save.
+``.tmp`` is removed by the next save. ``--device=auto`` (default) runs on the GPU(s) when every
+process has one, else on the CPU; the first line says which.
 """
 
 from __future__ import annotations
@@ -32,13 +33,13 @@ import torch
 
 from ddp_course import checkpoint, parallel
 from ddp_course.config import TrainConfig
-from ddp_course.dist import log, seed_everything, setup
+from ddp_course.dist import DeviceError, choose_device, log, seed_everything, setup
 from ddp_course.labs._flags import FlagError, parse_flags
 from ddp_course.model import GPTConfig, MiniGPT
 from ddp_course.train import build_optimizer, train_step
 
 PROG = "python -m ddp_course.labs.ckpt_kill"
-DEFAULTS: dict[str, Any] = {"out_dir": "runs/ckpt_kill", "format": "full", "timeout_s": 60.0}
+DEFAULTS: dict[str, Any] = {"out_dir": "runs/ckpt_kill", "format": "full", "timeout_s": 60.0, "device": "auto"}
 SHAPE = {"vocab_size": 65, "block_size": 32, "n_layer": 1, "n_head": 2, "n_embd": 32}
 
 
@@ -73,20 +74,22 @@ def main(argv: list[str]) -> int:
         if opts["format"] not in checkpoint.FORMATS:
             raise FlagError(f"{PROG}: --format must be one of {', '.join(checkpoint.FORMATS)} "
                             f"(got {opts['format']!r}).")
-    except FlagError as exc:
+        choose_device(opts["device"], int(os.environ.get("LOCAL_WORLD_SIZE", 1)))  # a device this machine has
+    except (FlagError, DeviceError) as exc:
         print(f"error: {exc}", flush=True)
         return 2
     out_dir, fmt = Path(opts["out_dir"]), opts["format"]
-    with setup(device="cpu", timeout_s=opts["timeout_s"]) as info:
+    with setup(device=opts["device"], timeout_s=opts["timeout_s"]) as info:
+        log(f"[ckpt_kill] {info.world_size} process(es), {info.device_reason}")
         cfg = TrainConfig(strategy="ddp" if info.is_distributed else "single", n_layer=SHAPE["n_layer"],
                           n_head=SHAPE["n_head"], n_embd=SHAPE["n_embd"], block_size=SHAPE["block_size"])
         seed_everything(0)
-        model = parallel.wrap(MiniGPT(GPTConfig(**SHAPE)), info, cfg)
+        model = parallel.wrap(MiniGPT(GPTConfig(**SHAPE)).to(info.device), info, cfg)
         optimizer = build_optimizer(model, cfg, info.device)
         g = torch.Generator().manual_seed(100 + info.rank)
 
         def step() -> None:
-            x = torch.randint(0, SHAPE["vocab_size"], (4, SHAPE["block_size"] + 1), generator=g)
+            x = torch.randint(0, SHAPE["vocab_size"], (4, SHAPE["block_size"] + 1), generator=g).to(info.device)
             train_step(model, optimizer, None, [(x[:, :-1], x[:, 1:])], device=info.device, precision="fp32",
                        grad_clip=1.0)
 

@@ -12,25 +12,28 @@ parameters and optimizer state (equal to the last bit on every rank, and to the 
 the step, the rank whose RNG states it took, and the micro-batch at which it would continue with
 the same global batch split over this job's ranks.
 
-Every rank writes ``reshard_rank<R>.json`` into ``--out_dir``.
+Every rank writes ``reshard_rank<R>.json`` into ``--out_dir``. ``--device=auto`` (default) loads onto
+the GPUs when every rank has one, else onto the CPU; the first line says which (a checkpoint loads on
+either, whichever device saved it).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
 
 from ddp_course import checkpoint, parallel
 from ddp_course.config import TrainConfig
-from ddp_course.dist import log, setup
+from ddp_course.dist import DeviceError, choose_device, log, setup
 from ddp_course.labs._flags import FlagError, parse_flags
 from ddp_course.model import GPTConfig, MiniGPT
 from ddp_course.train import build_optimizer
 
 PROG = "python -m ddp_course.labs.ckpt_reshard"
-DEFAULTS: dict[str, Any] = {"ckpts": "", "out_dir": "runs/ckpt_reshard", "timeout_s": 60.0}
+DEFAULTS: dict[str, Any] = {"ckpts": "", "out_dir": "runs/ckpt_reshard", "timeout_s": 60.0, "device": "auto"}
 
 
 def load_into_new_job(path: str | Path, info) -> dict[str, Any]:
@@ -64,11 +67,13 @@ def main(argv: list[str]) -> int:
         if not paths:
             raise FlagError(f"{PROG}: give the checkpoints to load, e.g. "
                             "--ckpts=runs/a/checkpoints/step_0000010.pt,runs/b/checkpoints/step_0000010")
-    except FlagError as exc:
+        choose_device(opts["device"], int(os.environ.get("LOCAL_WORLD_SIZE", 1)))  # a device this machine has
+    except (FlagError, DeviceError) as exc:
         print(f"error: {exc}", flush=True)
         return 2
     out_dir = Path(opts["out_dir"])
-    with setup(device="cpu", timeout_s=opts["timeout_s"]) as info:
+    with setup(device=opts["device"], timeout_s=opts["timeout_s"]) as info:
+        log(f"[ckpt_reshard] {info.world_size} rank(s), {info.device_reason}")
         rows = [load_into_new_job(p, info) for p in paths]  # every rank, same order: resume is a collective
         out_dir.mkdir(parents=True, exist_ok=True)
         report = {"rank": info.rank, "world_size": info.world_size, "checkpoints": rows}

@@ -25,13 +25,16 @@ evaluate, generate and save through ``parallel.unwrap(model)`` -- measured to co
 fast, and enough to see graphs, recompiles and breakages. ``--timing=true`` adds the cost and the
 gain: with ``--backend=inductor`` (which on a CPU needs a C++ compiler) the first step's compile time
 against the eager and compiled steady-state step times, and whether inductor's on-disk cache served
-the compiled code. Rank 0 writes ``compile_ddp.json`` into ``--out_dir``.
+the compiled code. ``--device=auto`` (default) runs on the GPUs with NCCL when every rank has one
+(inductor then generates Triton kernels), else on the CPU with gloo; the first line says which.
+Rank 0 writes ``compile_ddp.json`` into ``--out_dir``.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import statistics
 import sys
 import time
@@ -43,7 +46,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddp_course import parallel
-from ddp_course.dist import log, setup
+from ddp_course.dist import DeviceError, choose_device, log, setup
 from ddp_course.labs._flags import FlagError, parse_flags
 from ddp_course.model import GPTConfig, MiniGPT
 from ddp_course.paths import show
@@ -63,7 +66,7 @@ DEFAULTS: dict[str, Any] = {
     "timing_steps": 10,
     "breakages": True,
     "variants": "all",  # all, or a comma-separated subset of VARIANTS (the first, eager, is always run)
-    "device": "cpu",
+    "device": "auto",  # auto | cpu | cuda
     "timeout_s": 120.0,
     "seed": 0,
 }
@@ -121,19 +124,27 @@ def graphs() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
-def batches(rank: int, steps: int, micro: int, block: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    g = torch.Generator().manual_seed(seed * 1000 + rank)  # each rank its own data
+def batches(rank: int, steps: int, micro: int, block: int, seed: int,
+            device: torch.device | str = "cpu") -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed * 1000 + rank)  # each rank its own data (the same on any device)
     out = []
     for _ in range(steps):
-        t = torch.randint(0, VOCAB, (micro, block + 1), generator=g)
+        t = torch.randint(0, VOCAB, (micro, block + 1), generator=g).to(device)
         out.append((t[:, :-1], t[:, 1:]))
     return out
 
 
 def fresh_model(opts: dict[str, Any]) -> MiniGPT:
-    torch.manual_seed(opts["seed"])  # the same initial weights on every rank and in every variant
+    """The same initial weights on every rank and in every variant, on ``opts["_device"]`` (set by main)."""
+    torch.manual_seed(opts["seed"])
     return MiniGPT(GPTConfig(vocab_size=VOCAB, block_size=opts["block_size"], n_layer=opts["n_layer"],
-                             n_head=opts["n_head"], n_embd=opts["n_embd"]))
+                             n_head=opts["n_head"], n_embd=opts["n_embd"])).to(opts.get("_device", "cpu"))
+
+
+def ddp(model: torch.nn.Module, bucket_cap_mb: float) -> DDP:
+    """DDP around a model on this rank's device (its one GPU, or the CPU)."""
+    device = next(model.parameters()).device
+    return DDP(model, bucket_cap_mb=bucket_cap_mb, device_ids=[device.index] if device.type == "cuda" else None)
 
 
 def train(model: torch.nn.Module, data, lr: float = 1e-3) -> tuple[list[float], list[float]]:
@@ -146,7 +157,7 @@ def train(model: torch.nn.Module, data, lr: float = 1e-3) -> tuple[list[float], 
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
+        losses.append(loss.item())  # on a GPU: waits for every kernel queued so far, the step's included
         times.append(time.perf_counter() - t0)
     return losses, times
 
@@ -156,7 +167,7 @@ def replicas_agree(model: torch.nn.Module) -> float:
     flat = torch.cat([p.detach().reshape(-1) for p in parallel.unwrap(model).parameters()])
     ref = flat.clone()
     dist.broadcast(ref, src=0)
-    diff = torch.tensor([(flat - ref).abs().max().item()])
+    diff = (flat - ref).abs().max().reshape(1)
     dist.all_reduce(diff, op=dist.ReduceOp.MAX)
     return diff.item()
 
@@ -167,11 +178,11 @@ def variant(name: str, opts: dict[str, Any], data, rec: Recompiles) -> tuple[dic
     counter = CountingBackend(opts["backend"])
     model = fresh_model(opts)
     if name == "eager":
-        wrapped = DDP(model, bucket_cap_mb=opts["bucket_cap_mb"])
+        wrapped = ddp(model, opts["bucket_cap_mb"])
     elif name.startswith("compile(DDP(model))"):
-        wrapped = torch.compile(DDP(model, bucket_cap_mb=opts["bucket_cap_mb"]), backend=counter)
+        wrapped = torch.compile(ddp(model, opts["bucket_cap_mb"]), backend=counter)
     else:  # DDP(compile(model))
-        wrapped = DDP(torch.compile(model, backend=counter), bucket_cap_mb=opts["bucket_cap_mb"])
+        wrapped = ddp(torch.compile(model, backend=counter), opts["bucket_cap_mb"])
     g0, r0 = graphs(), len(rec.messages)
     split = torch._dynamo.config.optimize_ddp
     torch._dynamo.config.optimize_ddp = "optimize_ddp=False" not in name  # the control: DDPOptimizer off
@@ -218,8 +229,7 @@ def breakages(opts: dict[str, Any], compiled: torch.nn.Module, data, rec: Recomp
     out["generate"] = count_new(rec, lambda: generate_lengths(compiled))
 
     torch._dynamo.reset()
-    static = torch.compile(DDP(fresh_model(opts), bucket_cap_mb=opts["bucket_cap_mb"]), backend=opts["backend"],
-                           dynamic=False)
+    static = torch.compile(ddp(fresh_model(opts), opts["bucket_cap_mb"]), backend=opts["backend"], dynamic=False)
     default_limit = int(torch._dynamo.config.recompile_limit)
     # The limit is lowered for the demonstration only (fewer compiles, the same mechanism); restored after.
     torch._dynamo.config.recompile_limit = min(default_limit, opts["recompile_limit"])
@@ -236,10 +246,10 @@ def breakages(opts: dict[str, Any], compiled: torch.nn.Module, data, rec: Recomp
     out["state_dict"] = {"first_keys": keys[:2], "load_into_plain_model_error": load["error"]}
 
     torch._dynamo.reset()
-    small = torch.compile(DDP(fresh_model(opts), bucket_cap_mb=0.5), backend=opts["backend"])
+    small = torch.compile(ddp(fresh_model(opts), 0.5), backend=opts["backend"])
     out["bucket_cap_below_1mib"] = count_new(rec, lambda: small(x, y))
     out["bucket_cap_below_1mib"]["bucket_cap_mb"] = 0.5
-    eager_small = DDP(fresh_model(opts), bucket_cap_mb=0.5)
+    eager_small = ddp(fresh_model(opts), 0.5)
     out["bucket_cap_below_1mib"]["eager_ddp_error"] = count_new(rec, lambda: eager_small(x, y)[1].backward())["error"]
     return out
 
@@ -247,7 +257,7 @@ def breakages(opts: dict[str, Any], compiled: torch.nn.Module, data, rec: Recomp
 def safe_pattern(opts: dict[str, Any], data, rec: Recompiles) -> dict[str, Any]:
     """Train the compiled DDP model; evaluate, generate and save through the plain module inside it."""
     torch._dynamo.reset()
-    model = torch.compile(DDP(fresh_model(opts), bucket_cap_mb=opts["bucket_cap_mb"]), backend=opts["backend"])
+    model = torch.compile(ddp(fresh_model(opts), opts["bucket_cap_mb"]), backend=opts["backend"])
     train(model, data)
     inner = parallel.unwrap(model)  # the MiniGPT itself: eager, no DDP forward, no guards
     x, y = data[0]
@@ -257,7 +267,7 @@ def safe_pattern(opts: dict[str, Any], data, rec: Recompiles) -> dict[str, Any]:
         with torch.no_grad():
             inner(x, y)
         inner.train()
-        inner.generate(x[:1, :1], opts["gen_tokens"], generator=torch.Generator().manual_seed(0))
+        inner.generate(x[:1, :1], opts["gen_tokens"], generator=torch.Generator(device=x.device).manual_seed(0))
 
     res = count_new(rec, evaluate_and_generate)
     plain = fresh_model(opts)
@@ -276,14 +286,14 @@ def timing(opts: dict[str, Any], data) -> dict[str, Any]:
     for name in ("eager", "compile(DDP(model))"):
         torch._dynamo.reset()
         model = fresh_model(opts)
-        wrapped = DDP(model, bucket_cap_mb=opts["bucket_cap_mb"])
+        wrapped = ddp(model, opts["bucket_cap_mb"])
         if name != "eager":
             wrapped = torch.compile(wrapped, backend=opts["backend"])
         hits0 = counters["inductor"]["fxgraph_cache_hit"]
         miss0 = counters["inductor"]["fxgraph_cache_miss"]
         dist.barrier()
         _, times = train(wrapped, steps)
-        t = torch.tensor([times[0], statistics.median(times[2:])], dtype=torch.float64)
+        t = torch.tensor([times[0], statistics.median(times[2:])], dtype=torch.float64, device=data[0][0].device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
         out[name] = {"first_step_s": t[0].item(), "steady_step_s": t[1].item(),
                      "fxgraph_cache_hits": counters["inductor"]["fxgraph_cache_hit"] - hits0,
@@ -298,18 +308,25 @@ def timing(opts: dict[str, Any], data) -> dict[str, Any]:
 def main(argv: list[str]) -> dict[str, Any] | None:
     try:
         opts = parse_flags(argv, DEFAULTS, PROG)
-    except FlagError as exc:
+        choose_device(opts["device"], int(os.environ.get("LOCAL_WORLD_SIZE", 1)))  # a device this machine has
+    except (FlagError, DeviceError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
     with setup(device=opts["device"], timeout_s=opts["timeout_s"], threads=1) as info:
         if not info.is_distributed:
             print(f"error: run it with torchrun: {PROG}", file=sys.stderr)
             raise SystemExit(2)
+        log(f"[compile_ddp] {info.world_size} ranks, {info.device_reason}; backend {opts['backend']}")
+        opts = {**opts, "_device": info.device}
         rec = Recompiles()
         torch._logging.set_logs(recompiles=True)
         logging.getLogger("torch._dynamo").addHandler(rec)
-        data = batches(info.rank, opts["steps"], opts["micro_batch_size"], opts["block_size"], opts["seed"])
-        result: dict[str, Any] = {"torch": torch.__version__, "world_size": info.world_size, "options": opts}
+        data = batches(info.rank, opts["steps"], opts["micro_batch_size"], opts["block_size"], opts["seed"],
+                       info.device)
+        result: dict[str, Any] = {"torch": torch.__version__, "world_size": info.world_size,
+                                  "options": {k: v for k, v in opts.items() if k != "_device"},
+                                  "backend": info.backend, "device": info.device.type,
+                                  "device_reason": info.device_reason}
         variants, section_s = {}, {}
         chosen = VARIANTS if opts["variants"] == "all" else ("eager", *(
             v.strip() for v in opts["variants"].split(",") if v.strip() and v.strip() != "eager"))

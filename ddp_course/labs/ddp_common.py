@@ -145,27 +145,49 @@ def record_grad_ready(model: torch.nn.Module, events: list) -> list:
 # --------------------------------------------------------------------------------------------------
 # timing and traces
 
-def time_steps(step_fn, n: int, group=None) -> float:
-    """Seconds per call of ``step_fn`` over ``n`` calls, the slowest rank's (all ranks must call)."""
+def time_steps(step_fn, n: int, group=None, device: torch.device | None = None) -> float:
+    """Seconds per call of ``step_fn`` over ``n`` calls, the slowest rank's (all ranks must call).
+
+    On a CUDA ``device`` the clock is read only after ``torch.cuda.synchronize``: the calls return
+    as soon as their kernels are queued, and the time is that of the work, not of its queueing.
+    """
+    cuda = device is not None and device.type == "cuda"
     dist.barrier(group=group)
+    if cuda:
+        torch.cuda.synchronize(device)
     t0 = time.perf_counter()
     for _ in range(n):
         step_fn()
-    dt = torch.tensor([(time.perf_counter() - t0) / n], dtype=torch.float64)
+    if cuda:
+        torch.cuda.synchronize(device)
+    dt = torch.tensor([(time.perf_counter() - t0) / n], dtype=torch.float64, device=device)
     dist.all_reduce(dt, op=dist.ReduceOp.MAX, group=group)  # a step is done when every rank is done
     return float(dt.item())
 
 
 COMM_EVENTS = ("gloo:all_reduce", "nccl:all_reduce", "gloo:all_gather", "nccl:all_gather")
+BACKWARD_FN = "autograd::engine::evaluate_function:"
+LAUNCH_CATS = ("cuda_runtime", "cuda_driver")  # where the CPU side of a kernel launch is recorded
 
 
 def read_trace(path: str | Path, step_name: str = "step") -> dict[str, Any]:
     """The spans of a profiler Chrome trace that tell the overlap story, in ms from the first step.
 
     Returns ``steps`` (``record_function`` ranges named ``step ...``), ``phases`` (ranges named
-    forward / backward / allreduce by hand / optimizer), ``compute`` (autograd backward functions
-    on the main thread), ``comm`` (all-reduce spans as the backend runs them, on its own threads)
-    and ``launch`` (where the main thread handed each all-reduce to the backend).
+    forward / backward / allreduce by hand / optimizer), ``functions`` (backward's autograd
+    functions), ``compute`` (backward's computation), ``comm`` (the all-reduces as the backend runs
+    them), ``launch`` (where each all-reduce was handed to the backend) and ``timeline``.
+
+    A CPU trace (``timeline`` "cpu"): backward computes in its autograd functions on the main
+    thread, so ``compute`` is those functions; ``comm`` is gloo's spans on its own threads.
+
+    A trace with GPU kernels (``ProfilerActivity.CUDA``; ``timeline`` "gpu"): the autograd functions
+    only *queue* kernels (and run on the autograd engine's thread for the GPU, not the main thread),
+    so ``compute`` is the GPU kernels that backward's functions launched (matched to their launch
+    by the trace's ``correlation`` id), with their times on the GPU, and ``comm`` is NCCL's kernels
+    (gloo's CPU spans when no NCCL kernel is in the trace). Each GPU span also carries
+    ``launched``: when the CPU queued it, which is what places it in a step (a step's kernels may
+    still run after its CPU range has ended).
     """
     events = json.loads(Path(path).read_text(encoding="utf-8"))["traceEvents"]
     spans = [e for e in events if e.get("ph") == "X" and "dur" in e]
@@ -175,18 +197,48 @@ def read_trace(path: str | Path, step_name: str = "step") -> dict[str, Any]:
     t0 = steps[0]["ts"]
     main_tid = steps[0]["tid"]
 
-    def ms(e):
-        return {"name": e["name"], "start": (e["ts"] - t0) / 1e3, "end": (e["ts"] + e["dur"] - t0) / 1e3}
+    def ms(e, launched=None):
+        out = {"name": e["name"], "start": (e["ts"] - t0) / 1e3, "end": (e["ts"] + e["dur"] - t0) / 1e3}
+        if launched is not None:
+            out["launched"] = (launched - t0) / 1e3
+        return out
 
+    kernels = [e for e in spans if e.get("cat") == "kernel"]
     phases = [ms(e) for e in spans if e["name"] in ("forward", "backward", "allreduce by hand", "optimizer")
               and e["tid"] == main_tid]
-    compute = [ms(e) for e in spans if e["tid"] == main_tid
-               and str(e["name"]).startswith("autograd::engine::evaluate_function:")]
-    comm = [ms(e) for e in spans if e["name"] in COMM_EVENTS]
-    launch = [ms(e) for e in spans if e["tid"] == main_tid and str(e["name"]).startswith("c10d::allreduce")]
+    if not kernels:  # the CPU computes: backward's functions run on the main thread
+        functions = [e for e in spans if e["tid"] == main_tid and str(e["name"]).startswith(BACKWARD_FN)]
+        compute = [ms(e) for e in functions]
+        comm = [ms(e) for e in spans if e["name"] in COMM_EVENTS]
+        launch = [ms(e) for e in spans if e["tid"] == main_tid and str(e["name"]).startswith("c10d::allreduce")]
+        timeline = "cpu"
+    else:
+        functions = [e for e in spans if str(e["name"]).startswith(BACKWARD_FN)]  # on the engine's GPU thread
+        by_tid: dict[Any, list[tuple[float, float]]] = {}
+        for f in functions:
+            by_tid.setdefault(f["tid"], []).append((f["ts"], f["ts"] + f["dur"]))
+        launched_at = {e["args"]["correlation"]: e for e in spans
+                       if e.get("cat") in LAUNCH_CATS and "correlation" in e.get("args", {})}
+
+        def from_backward(k) -> bool:
+            la = launched_at.get(k.get("args", {}).get("correlation"))
+            return la is not None and any(a <= la["ts"] <= b for a, b in by_tid.get(la["tid"], ()))
+
+        def launch_ts(k) -> float:
+            la = launched_at.get(k.get("args", {}).get("correlation"))
+            return la["ts"] if la is not None else k["ts"]
+
+        nccl = [k for k in kernels if str(k["name"]).lower().startswith("nccl")]
+        nccl_ids = {id(k) for k in nccl}
+        compute = [ms(k, launch_ts(k)) for k in kernels if id(k) not in nccl_ids and from_backward(k)]
+        comm = ([ms(k, launch_ts(k)) for k in nccl] if nccl else
+                [ms(e) for e in spans if e["name"] in COMM_EVENTS])
+        launch = [ms(e) for e in spans if str(e["name"]).startswith("c10d::allreduce")]
+        timeline = "gpu"
     return {"steps": [ms(e) for e in steps], "phases": sorted(phases, key=lambda s: s["start"]),
+            "functions": sorted((ms(e) for e in functions), key=lambda s: s["start"]),
             "compute": sorted(compute, key=lambda s: s["start"]), "comm": sorted(comm, key=lambda s: s["start"]),
-            "launch": sorted(launch, key=lambda s: s["start"])}
+            "launch": sorted(launch, key=lambda s: s["start"]), "timeline": timeline}
 
 
 def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -203,18 +255,24 @@ def overlap_stats(trace: dict[str, Any]) -> dict[str, float]:
     """Per step (averaged over the trace's steps), in ms: how long at least one all-reduce was in
     flight, how much of that fell while backward was still computing, and how much came after.
 
-    Backward *compute* ends with the last autograd function of the step; all-reduce time after that
-    point is exposed: the step waits for it. Several all-reduces can be in flight at once (the
-    backend has more than one thread), so times are of the union of their spans, not the sum.
-    ``launched_during_backward`` counts the all-reduces the main thread handed to the backend before
-    backward's last function started (0 when there is no overlap); it uses the launch, not the
-    backend's start, which a busy machine can delay.
+    Backward *compute* ends with the last of its computation (on a CPU: the last autograd function;
+    on a GPU: the last kernel backward launched); all-reduce time after that point is exposed: the
+    step waits for it. Several all-reduces can be in flight at once (the backend has more than one
+    thread, or stream), so times are of the union of their spans, not the sum.
+    ``launched_during_backward`` counts the all-reduces handed to the backend before backward's
+    last autograd function started (0 when there is no overlap); it uses the launch, not the
+    backend's start, which a busy machine can delay. A span belongs to the step in which it was
+    launched (on a CPU: in which it started).
     """
+    def placed(c):
+        return c.get("launched", c["start"])
+
     out = []
     for step in trace["steps"]:
-        inside = [c for c in trace["compute"] if step["start"] <= c["start"] < step["end"]]
-        comm = [c for c in trace["comm"] if step["start"] <= c["start"] < step["end"]]
-        if not inside:
+        inside = [c for c in trace["compute"] if step["start"] <= placed(c) < step["end"]]
+        comm = [c for c in trace["comm"] if step["start"] <= placed(c) < step["end"]]
+        functions = [c for c in trace.get("functions", trace["compute"]) if step["start"] <= c["start"] < step["end"]]
+        if not inside or not functions:
             continue
         bwd_start = min(c["start"] for c in inside)
         bwd_end = max(c["end"] for c in inside)
@@ -222,10 +280,13 @@ def overlap_stats(trace: dict[str, Any]) -> dict[str, float]:
         in_flight = sum(b - a for a, b in busy)
         hidden = sum(max(0.0, min(b, bwd_end) - max(a, bwd_start)) for a, b in busy)
         exposed = sum(max(0.0, b - max(a, bwd_end)) for a, b in busy)
-        last_fn_start = max(c["start"] for c in inside)
+        last_fn_start = max(c["start"] for c in functions)
         launches = [c for c in trace["launch"] if step["start"] <= c["start"] < step["end"]]
+        step_end = step["end"]
+        if trace.get("timeline") == "gpu":  # the CPU range ends once the kernels are queued; the step, with the last
+            step_end = max([step_end, *(c["end"] for c in inside + comm)])
         out.append({"launched_during_backward": sum(c["start"] < last_fn_start for c in launches),
-                    "step_ms": step["end"] - step["start"], "backward_compute_ms": bwd_end - bwd_start,
+                    "step_ms": step_end - step["start"], "backward_compute_ms": bwd_end - bwd_start,
                     "allreduce_in_flight_ms": in_flight, "allreduce_during_backward_ms": hidden,
                     "allreduce_after_backward_ms": exposed, "n_allreduce": len(comm)})
     if not out:

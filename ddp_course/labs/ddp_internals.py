@@ -2,7 +2,8 @@
 
     torchrun --standalone --nproc_per_node=2 -m ddp_course.labs.ddp_internals --out_dir=runs/ddp_internals
 
-One launch, several experiments (``--parts``, default all of them), each on CPU with gloo:
+One launch, several experiments (``--parts``, default all of them), each on the CPU with gloo, on
+any machine (``CPU_BY_DESIGN`` says why; the first line prints it):
 
 - ``buckets``: MiniGPT wrapped with each ``--bucket_caps`` (MB); a recording communication hook logs
   which parameters every bucket holds and how many all-reduces each step issues (first step: DDP's
@@ -74,6 +75,9 @@ DEFAULTS: dict[str, Any] = {
     "seed": 1337,
 }
 PROG = "python -m ddp_course.labs.ddp_internals"
+CPU_BY_DESIGN = ("the unused-parameter and join experiments let a collective time out on purpose and record "
+                 "the error each rank gets, which gloo raises and the rank can catch; under NCCL the watchdog "
+                 "aborts the process instead")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -526,7 +530,7 @@ def main(argv: list[str]) -> dict[str, Any]:
     float_list(opts["bucket_caps"], "bucket_caps")
     if opts["pg_timeout_s"] <= 0 or opts["join_batches"] < 1 or opts["hook_steps"] < 1:
         raise FlagError(f"{PROG}: --pg_timeout_s must be positive, --join_batches and --hook_steps at least 1.")
-    with setup(device="cpu", timeout_s=60.0) as info:
+    with setup(device="cpu", timeout_s=60.0, because=CPU_BY_DESIGN) as info:  # by design: see CPU_BY_DESIGN
         if info.world_size < 2:
             raise FlagError(f"{PROG} shows what happens between ranks: launch it with torchrun "
                             "--nproc_per_node=2 (or more).")

@@ -7,7 +7,8 @@ against the other ranks' (the check that names mismatched collectives), and make
 debugging tool is only useful if the program still runs under it, so this probe tries: join the
 process group, wrap a small model in DDP, run one forward and backward. Every rank writes
 ``probe_rank<R>.json`` into ``--out_dir`` after each stage, so a crash (even a segmentation fault,
-which no Python handler sees) leaves the last stage that worked on disk.
+which no Python handler sees) leaves the last stage that worked on disk. It runs on the CPU with gloo
+on every machine (``CPU_BY_DESIGN``, printed first).
 """
 
 from __future__ import annotations
@@ -20,10 +21,12 @@ from pathlib import Path
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ddp_course.dist import setup
+from ddp_course.dist import log, setup
 from ddp_course.labs._flags import FlagError, parse_flags
 
 STAGES = ("started", "process_group", "ddp_constructed", "backward_done")
+CPU_BY_DESIGN = ("the probe checks the debugging lab's own setting, gloo on the CPU, where its programs run "
+                 "(they end in gloo timeouts)")
 
 
 def main(argv: list[str]) -> None:
@@ -44,7 +47,9 @@ def main(argv: list[str]) -> None:
         path.write_text(json.dumps(state), encoding="utf-8")
 
     reached("started")
-    with setup(device="cpu", timeout_s=opts["timeout_s"], threads=1):
+    with setup(device="cpu", timeout_s=opts["timeout_s"], threads=1,
+               because=CPU_BY_DESIGN) as info:  # by design: see CPU_BY_DESIGN
+        log(f"[detail_probe] {info.world_size} ranks, {info.device_reason}")
         reached("process_group")
         model = DDP(torch.nn.Linear(8, 8))
         reached("ddp_constructed")

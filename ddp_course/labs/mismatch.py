@@ -21,7 +21,8 @@ should have, the collectives the rank issued in order, and the error that ended 
 the call it was in, seconds waited) -- then exits with status 1. The job is *meant* to fail.
 
 On NCCL (``--device=cuda``) the same mismatches hang until NCCL's watchdog aborts the process after
-the timeout; the abort may kill the process before it can write its JSON.
+the timeout; the abort may kill the process before it can write its JSON. That is why the lab runs
+on the CPU with gloo by default on every machine (``CPU_BY_DESIGN``, printed in the first line).
 """
 
 from __future__ import annotations
@@ -37,7 +38,10 @@ import torch.distributed as dist
 
 from ddp_course.labs._flags import FlagError, parse_flags
 
-DEFAULTS: dict[str, Any] = {"out_dir": "runs/mismatch", "case": "skip", "timeout_s": 10.0, "device": "cpu"}
+CPU_BY_DESIGN = ("gloo ends a mismatched collective with an error every rank can catch and record; under NCCL "
+                 "the watchdog aborts the process, which may die before it writes what it saw")
+DEFAULTS: dict[str, Any] = {"out_dir": "runs/mismatch", "case": "skip", "timeout_s": 10.0,
+                            "device": "cpu"}  # by design: see CPU_BY_DESIGN
 CASES = ("skip", "order")
 PROG = "python -m ddp_course.labs.mismatch"
 
@@ -106,7 +110,9 @@ def main(argv: list[str]) -> int:
         return 2
 
     out_dir = Path(opts["out_dir"])
-    with setup(device=opts["device"], timeout_s=opts["timeout_s"]) as info:
+    because = CPU_BY_DESIGN if opts["device"] == "cpu" else ""
+    with setup(device=opts["device"], timeout_s=opts["timeout_s"], because=because) as info:
+        log(f"[mismatch] {info.world_size} ranks, {info.device_reason}")
         trace = Trace()
         result: dict[str, Any] = {"rank": info.rank, "world_size": info.world_size, "backend": info.backend,
                                   "case": opts["case"], "timeout_s": opts["timeout_s"]}

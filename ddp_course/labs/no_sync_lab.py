@@ -16,8 +16,10 @@ For every optimizer step of every variant the lab measures
 - whether the replicas hold the same gradient (the largest element-wise difference between ranks).
 
 The optimizer never steps (each comparison is at the same weights, so each stands alone); the
-gradients are zeroed after every optimizer step, as ``optimizer.zero_grad()`` would. Rank 0 writes
-``no_sync_lab.json`` into ``--out_dir``. Options are ``--key=value`` (``--help`` lists them).
+gradients are zeroed after every optimizer step, as ``optimizer.zero_grad()`` would. ``--device=auto``
+(default) runs on the GPUs with NCCL when every rank has one, else on the CPU with gloo; the first
+line says which. Rank 0 writes ``no_sync_lab.json`` into ``--out_dir``. Options are ``--key=value``
+(``--help`` lists them).
 
 The exercise of lesson 06 (``exercises/06_no_sync.py``) and its grader reuse ``AllReduceCounter``,
 ``tiny_model``, ``micro_batch`` and ``reference_gradient`` from here.
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -37,7 +40,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from ddp_course import parallel
-from ddp_course.dist import log, setup
+from ddp_course.dist import DeviceError, choose_device, log, setup
 from ddp_course.model import GPTConfig, MiniGPT
 from ddp_course.paths import show
 
@@ -62,6 +65,7 @@ DEFAULTS: dict[str, Any] = {
     "seed": 0,
     "variants": "all",  # comma-separated names from VARIANTS, or all
     "timeout_s": 60.0,  # process-group timeout
+    "device": "auto",  # auto | cpu | cuda
 }
 
 HELP = {
@@ -75,6 +79,7 @@ HELP = {
     "seed": "model init and data",
     "variants": "comma-separated variant names, or all",
     "timeout_s": "process-group timeout in seconds",
+    "device": "auto (NCCL on GPUs when each rank has one, else gloo on CPU) | cpu | cuda",
 }
 
 # name -> (what the loop does, in one line)
@@ -116,12 +121,14 @@ def reference_gradient(model: MiniGPT, indices: Sequence[int], world_size: int, 
     """The gradient of the mean loss over one big batch: micro-batches ``indices`` of every rank.
 
     ``model`` is a plain (unwrapped) model; its gradients are left zeroed. Equal-sized micro-batches
-    make the mean over the concatenation equal to the mean of the micro-batch means.
+    make the mean over the concatenation equal to the mean of the micro-batch means. The batch goes
+    to the model's device.
     """
     parts = [micro_batch(i, r, micro_batch_size=micro_batch_size, block_size=block_size, seed=seed)
              for i in indices for r in range(world_size)]
-    x = torch.cat([p[0] for p in parts])
-    y = torch.cat([p[1] for p in parts])
+    device = next(model.parameters()).device
+    x = torch.cat([p[0] for p in parts]).to(device)
+    y = torch.cat([p[1] for p in parts]).to(device)
     model.zero_grad(set_to_none=True)
     _, loss = model(x, y)
     loss.backward()
@@ -286,26 +293,34 @@ def main(argv: list[str]) -> dict[str, Any]:
     data = {"micro_batch_size": opts["micro_batch_size"], "block_size": opts["block_size"], "seed": opts["seed"]}
     steps = chunks(opts["n_micro"], opts["k"])
 
-    with setup(device="cpu", timeout_s=opts["timeout_s"]) as info:
+    try:  # refuse a device this machine cannot give before any process group is made
+        choose_device(opts["device"], int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    except DeviceError as exc:
+        raise SystemExit(f"error: {exc}") from None
+    with setup(device=opts["device"], timeout_s=opts["timeout_s"]) as info:
         if not info.is_distributed:
             raise SystemExit("error: the lab needs a process group: launch it with "
                              "`torchrun --standalone --nproc_per_node=2 -m ddp_course.labs.no_sync_lab`.")
         from torch.nn.parallel import DistributedDataParallel as DDP
 
-        model = tiny_model(opts["seed"], **shape)
-        reference = tiny_model(opts["seed"], **shape)  # same weights, never wrapped: one process, big batch
-        ddp = DDP(model, bucket_cap_mb=opts["bucket_cap_mb"])
+        device = info.device
+        model = tiny_model(opts["seed"], **shape).to(device)
+        reference = tiny_model(opts["seed"], **shape).to(device)  # same weights, never wrapped: one process, big batch
+        ddp = DDP(model, bucket_cap_mb=opts["bucket_cap_mb"], device_ids=[device.index] if device.type == "cuda" else None)
         counter = AllReduceCounter(ddp)
+
+        def my_batch(index: int) -> tuple[torch.Tensor, torch.Tensor]:
+            return tuple(t.to(device) for t in micro_batch(index, info.rank, **data))
 
         # Two plain synced steps first: DDP rebuilds its buckets after the first backward (in the
         # order the gradients arrived); the second shows how many buckets one backward all-reduces.
         for _ in range(2):
             counter.reset()
-            _, loss = ddp(*micro_batch(0, info.rank, **data))
+            _, loss = ddp(*my_batch(0))
             loss.backward()
             ddp.zero_grad(set_to_none=True)
         n_buckets = counter.calls
-        log(f"[no_sync_lab] {info.world_size} ranks, MiniGPT {sum(p.numel() for p in model.parameters()):,} "
+        log(f"[no_sync_lab] {info.world_size} ranks, {info.device_reason}; MiniGPT {sum(p.numel() for p in model.parameters()):,} "
             f"parameters in {n_buckets} gradient bucket(s); {opts['n_micro']} micro-batches of "
             f"{opts['micro_batch_size']} per rank, K = {opts['k']}: optimizer steps of "
             f"{', '.join(str(len(c)) for c in steps)} micro-batches")
@@ -316,7 +331,7 @@ def main(argv: list[str]) -> dict[str, Any]:
             ddp.require_backward_grad_sync = True  # a clean start for every variant
             rows = []
             for idx, ref in zip(steps, refs):
-                batches = [micro_batch(i, info.rank, **data) for i in idx]
+                batches = [my_batch(i) for i in idx]
                 counter.reset()
                 accumulate(ddp, batches, variant, opts["k"])
                 calls, synced = counter.calls, counter.synced_micro_steps
@@ -344,7 +359,8 @@ def main(argv: list[str]) -> dict[str, Any]:
                 f"{max(r['replica_max_diff'] for r in rows):.1e}")
         ddp.require_backward_grad_sync = True
 
-        out = {"world_size": info.world_size, "backend": info.backend, "k": opts["k"], "n_micro": opts["n_micro"],
+        out = {"world_size": info.world_size, "backend": info.backend, "device": device.type,
+               "k": opts["k"], "n_micro": opts["n_micro"],
                "steps": steps, "n_buckets": n_buckets, "grad_rtol": GRAD_RTOL, "options": opts,
                "n_params": sum(p.numel() for p in model.parameters()), "variants": results}
         if info.is_main:

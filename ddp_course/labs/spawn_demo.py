@@ -13,6 +13,9 @@ A function defined in a notebook lives in ``__main__`` of the kernel, which the 
 so the child dies with ``AttributeError: Can't get attribute ...`` before your code runs.
 :func:`try_spawn` runs ``mp.spawn`` with a deadline and captures the children's error output, so a
 notebook can show that failure without hanging.
+
+The workers join with gloo and all-reduce a CPU tensor on any machine, by design (``CPU_BY_DESIGN``,
+printed in the first line): the demo is about starting processes, not about a device.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from ddp_course.paths import show
 
 PROG = "python -m ddp_course.labs.spawn_demo"
 DEFAULTS = {"nproc": 2, "out_dir": "runs/spawn_demo", "timeout_s": 30.0}
+CPU_BY_DESIGN = "the demo is about how mp.spawn starts processes and where they meet, which is the same on any device"
 
 
 def free_port() -> int:
@@ -50,7 +54,7 @@ def worker(rank: int, world_size: int, port: int, out_dir: str, timeout_s: float
     """One process of the job. ``mp.spawn`` passes the rank first, then the ``args`` tuple."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=timeout_s))
+                            timeout=timedelta(seconds=timeout_s))  # by design: CPU with gloo (CPU_BY_DESIGN)
     try:
         t = torch.tensor([float(rank)])
         dist.all_reduce(t, op=dist.ReduceOp.SUM)  # 0 + 1 + ... + (W-1) on every rank
@@ -114,7 +118,8 @@ def main(argv: list[str]) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     port = free_port()
-    print(f"mp.spawn: {opts['nproc']} processes, rendezvous tcp://127.0.0.1:{port}", flush=True)
+    print(f"mp.spawn: {opts['nproc']} processes, rendezvous tcp://127.0.0.1:{port}; CPU with gloo by design: "
+          f"{CPU_BY_DESIGN}", flush=True)
     # The guard below matters: spawn's children import this module; without `if __name__ ==
     # "__main__"` they would each call mp.spawn again.
     mp.spawn(worker, args=(opts["nproc"], port, opts["out_dir"], opts["timeout_s"]), nprocs=opts["nproc"], join=True)

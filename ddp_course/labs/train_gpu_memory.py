@@ -31,11 +31,15 @@ from ddp_course.dist import DeviceError
 from ddp_course.metrics import write_json
 
 
-def gpus_used(strategy: str, local_rank: int) -> list[int]:
-    """The GPUs a process of this strategy allocates on: all of them under DP, its own otherwise."""
-    if not torch.cuda.is_available():
+def gpus_used(strategy: str) -> list[int]:
+    """The GPUs a process of this strategy allocated on: all of them under DP, its own otherwise.
+
+    Its own is the current device, which ``ddp_course.dist.setup`` set (LOCAL_RANK under NCCL; a
+    shared GPU under the tests' gloo option). None when the run never touched CUDA (it ran on the CPU).
+    """
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
         return []
-    return list(range(torch.cuda.device_count())) if strategy == "dp" else [local_rank]
+    return list(range(torch.cuda.device_count())) if strategy == "dp" else [torch.cuda.current_device()]
 
 
 def main(argv: list[str]) -> dict:
@@ -43,7 +47,7 @@ def main(argv: list[str]) -> dict:
     summary = train.main(cfg)
     rank, local_rank = int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
     per_gpu = {}
-    for i in gpus_used(cfg.strategy, local_rank):
+    for i in gpus_used(cfg.strategy):
         per_gpu[str(i)] = {"name": torch.cuda.get_device_name(i),
                            "peak_allocated_bytes": int(torch.cuda.max_memory_allocated(i)),
                            "peak_reserved_bytes": int(torch.cuda.max_memory_reserved(i))}

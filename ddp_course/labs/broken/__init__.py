@@ -107,7 +107,8 @@ def launch(key: str, out_dir: str | Path, *, nproc: int = 2, timeout: float = 90
         from ddp_course.labs.two_nodes import run_two_nodes
 
         script = ["-m", bug.module, f"--out_dir={out.resolve()}", *(f"--{k}={v}" for k, v in flags.items())]
-        return run_two_nodes(out, nproc_per_node=nproc, timeout=timeout, script=script, env=env)
+        # both "nodes" see every GPU: the program only picks a device, it runs no collective on one
+        return run_two_nodes(out, nproc_per_node=nproc, timeout=timeout, script=script, env=env, share_gpus=True)
     return run(bug.module, nproc=nproc, out_dir=out, timeout=timeout, check=False, progress=False, echo="none",
                env=env, **job_flags(key, **flags))
 

@@ -1,8 +1,11 @@
-"""What every program of the debugging lab shares: strict flags, a per-rank record, a tiny model.
+"""What every program of the debugging lab shares: strict flags, a per-rank record, a tiny model, and
+the CPU.
 
-Each program writes ``rank<R>.json`` into ``--out_dir`` and rewrites it after every event, so what a
-rank did and saw is on disk even when the job then hangs, times out or is killed: the symptom is
-data the notebook reads, never a log it scrapes.
+Every program runs on the CPU with gloo, on any machine, by design (``CPU_BY_DESIGN``; rank 0 prints
+it first, through :func:`cpu_setup` or :func:`announce_cpu`). Each program writes ``rank<R>.json``
+into ``--out_dir`` and rewrites it after every event, so what a rank did and saw is on disk even
+when the job then hangs, times out or is killed: the symptom is data the notebook reads, never a
+log it scrapes.
 """
 
 from __future__ import annotations
@@ -12,6 +15,8 @@ import os
 import sys
 import time
 import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +29,30 @@ VOCAB = 65  # the course's character vocabulary; the labs that need tokens use r
 # can take many seconds, so the rendezvous gets a generous timeout. The programs that hang on purpose
 # run their collectives in a group of their own with the short ``--timeout_s``.
 INIT_TIMEOUT_S = 60.0
+# Why the lab stays on the CPU: the bugs that hang are made to end in a process-group timeout, which
+# gloo reports as an error every rank catches and records; under NCCL the watchdog would abort the
+# processes instead. The other bugs (data, seeds, no_sync, saving) show the same on any device.
+CPU_BY_DESIGN = ("the debugging lab's hangs end in gloo timeouts, errors each rank records (NCCL's watchdog "
+                 "would abort the processes instead), and its other bugs look the same on any device")
+
+
+def announce_cpu(rank: int) -> None:
+    """Rank 0 prints why the lab runs on the CPU (for a program that joins its group by hand)."""
+    if rank == 0:
+        print(f"debugging lab: CPU with gloo by design: {CPU_BY_DESIGN}", flush=True)
+
+
+@contextmanager
+def cpu_setup(timeout_s: float, threads: int = 1) -> Iterator[Any]:
+    """``ddp_course.dist.setup`` on the CPU with gloo, the lab's one device; rank 0 prints why first.
+
+    The line does not start with ``[``, so :func:`ddp_course.labs.broken.symptom` leaves it out.
+    """
+    from ddp_course.dist import log, setup
+
+    with setup(device="cpu", timeout_s=timeout_s, threads=threads, because=CPU_BY_DESIGN) as info:  # by design
+        log(f"debugging lab: {info.device_reason}")
+        yield info
 
 
 def flags(argv: list[str], defaults: dict[str, Any], prog: str) -> dict[str, Any]:

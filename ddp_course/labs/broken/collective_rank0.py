@@ -34,8 +34,16 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from ddp_course.dist import log, setup
-from ddp_course.labs.broken._common import INIT_TIMEOUT_S, Record, flags, short_group, tiny_model, token_batch
+from ddp_course.dist import log
+from ddp_course.labs.broken._common import (
+    INIT_TIMEOUT_S,
+    Record,
+    cpu_setup,
+    flags,
+    short_group,
+    tiny_model,
+    token_batch,
+)
 
 PROG = "torchrun --standalone --nproc_per_node=2 -m ddp_course.labs.broken.collective_rank0"
 
@@ -57,7 +65,7 @@ def main(argv: list[str]) -> None:
     opts = flags(argv, {"variant": "both", "timeout_s": 5.0}, PROG)
     if opts["variant"] not in ("both", "fixed", "broken"):
         raise SystemExit("error: --variant must be both, fixed or broken")
-    with setup(device="cpu", timeout_s=INIT_TIMEOUT_S, threads=1) as info:
+    with cpu_setup(INIT_TIMEOUT_S) as info:  # by design: see _common.CPU_BY_DESIGN
         group = short_group(opts["timeout_s"])  # the collectives below give up after --timeout_s
         rec = Record(opts["out_dir"], info.rank)
         rec.note(world_size=info.world_size, timeout_s=opts["timeout_s"])

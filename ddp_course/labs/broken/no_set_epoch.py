@@ -21,8 +21,8 @@ import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.utils.data import DataLoader, DistributedSampler
 
-from ddp_course.dist import log, setup
-from ddp_course.labs.broken._common import Record, flags
+from ddp_course.dist import log
+from ddp_course.labs.broken._common import Record, cpu_setup, flags
 
 PROG = "torchrun --standalone --nproc_per_node=2 -m ddp_course.labs.broken.no_set_epoch"
 
@@ -43,7 +43,7 @@ def epochs_seen(rank: int, world: int, n: int, batch: int, epochs: int, call_set
 @record
 def main(argv: list[str]) -> None:
     opts = flags(argv, {"epochs": 3, "n": 16, "batch": 4}, PROG)
-    with setup(device="cpu", timeout_s=opts["timeout_s"], threads=1) as info:
+    with cpu_setup(opts["timeout_s"]) as info:  # by design: see _common.CPU_BY_DESIGN
         rec = Record(opts["out_dir"], info.rank)
         for variant, call in (("broken", False), ("fixed", True)):
             seen = epochs_seen(info.rank, info.world_size, opts["n"], opts["batch"], opts["epochs"], call)

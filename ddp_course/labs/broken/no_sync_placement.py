@@ -30,8 +30,8 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ddp_course.dist import log, setup
-from ddp_course.labs.broken._common import Record, flags, tiny_model, token_batch
+from ddp_course.dist import log
+from ddp_course.labs.broken._common import Record, cpu_setup, flags, tiny_model, token_batch
 from ddp_course.labs.no_sync_lab import AllReduceCounter
 
 PROG = "torchrun --standalone --nproc_per_node=2 -m ddp_course.labs.broken.no_sync_placement"
@@ -60,7 +60,7 @@ def accumulate(model: DDP, micro: list, variant: str) -> None:
 @record
 def main(argv: list[str]) -> None:
     opts = flags(argv, {"k": 4, "steps": 2, "batch": 4}, PROG)
-    with setup(device="cpu", timeout_s=opts["timeout_s"], threads=1) as info:
+    with cpu_setup(opts["timeout_s"]) as info:  # by design: see _common.CPU_BY_DESIGN
         rec = Record(opts["out_dir"], info.rank)
         for variant in VARIANTS:
             model = DDP(tiny_model())

@@ -28,8 +28,8 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddp_course.data import prepare, train_sampler
-from ddp_course.dist import log, setup
-from ddp_course.labs.broken._common import Record, flags
+from ddp_course.dist import log
+from ddp_course.labs.broken._common import Record, cpu_setup, flags
 from ddp_course.model import GPTConfig, MiniGPT
 
 PROG = "torchrun --standalone --nproc_per_node=2 -m ddp_course.labs.broken.same_seed"
@@ -49,7 +49,7 @@ def batches_for(variant: str, n: int, batch: int, steps: int, rank: int, world: 
 @record
 def main(argv: list[str]) -> None:
     opts = flags(argv, {"steps": 4, "batch": 4, "seed": 1337, "corpus": "tinyshakespeare"}, PROG)
-    with setup(device="cpu", timeout_s=opts["timeout_s"], threads=1) as info:
+    with cpu_setup(opts["timeout_s"]) as info:  # by design: see _common.CPU_BY_DESIGN
         rec = Record(opts["out_dir"], info.rank)
         data = prepare(opts["corpus"], 32, 0.1, announce=lambda m: log(m))
         ds = data.train

@@ -31,8 +31,8 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ddp_course.dist import log, setup
-from ddp_course.labs.broken._common import Record, flags, tiny_model, token_batch
+from ddp_course.dist import log
+from ddp_course.labs.broken._common import Record, cpu_setup, flags, tiny_model, token_batch
 
 PROG = "torchrun --standalone --nproc_per_node=2 -m ddp_course.labs.broken.save_every_rank"
 
@@ -47,7 +47,7 @@ def save(model: DDP, path: Path, rank: int) -> dict:
 @record
 def main(argv: list[str]) -> None:
     opts = flags(argv, {"steps": 2, "n_embd": 256}, PROG)
-    with setup(device="cpu", timeout_s=opts["timeout_s"], threads=1) as info:
+    with cpu_setup(opts["timeout_s"]) as info:  # by design: see _common.CPU_BY_DESIGN
         rec = Record(opts["out_dir"], info.rank)
         out = Path(opts["out_dir"])
         model = DDP(tiny_model(n_embd=opts["n_embd"]))

@@ -33,8 +33,16 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 
-from ddp_course.dist import log, setup
-from ddp_course.labs.broken._common import INIT_TIMEOUT_S, Record, flags, short_group, tiny_model, token_batch
+from ddp_course.dist import log
+from ddp_course.labs.broken._common import (
+    INIT_TIMEOUT_S,
+    Record,
+    cpu_setup,
+    flags,
+    short_group,
+    tiny_model,
+    token_batch,
+)
 
 PROG = "torchrun --standalone --nproc_per_node=2 -m ddp_course.labs.broken.uneven_batches"
 
@@ -68,7 +76,7 @@ def epoch(model, loader, rec: Record, variant: str) -> int:
 def main(argv: list[str]) -> None:
     opts = flags(argv, {"n": 25, "batch": 4, "variant": "all", "timeout_s": 5.0}, PROG)
     variants = ("fixed", "join", "broken") if opts["variant"] == "all" else (opts["variant"],)
-    with setup(device="cpu", timeout_s=INIT_TIMEOUT_S, threads=1) as info:
+    with cpu_setup(INIT_TIMEOUT_S) as info:  # by design: see _common.CPU_BY_DESIGN
         group = short_group(opts["timeout_s"])  # DDP's all-reduces and the barrier give up after --timeout_s
         rec = Record(opts["out_dir"], info.rank)
         ds = Windows(opts["n"])

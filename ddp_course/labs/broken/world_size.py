@@ -27,7 +27,7 @@ from datetime import timedelta
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from ddp_course.labs.broken._common import Record, flags
+from ddp_course.labs.broken._common import Record, announce_cpu, flags
 
 PROG = "torchrun --standalone --nproc_per_node=2 -m ddp_course.labs.broken.world_size"
 WORLD_SIZE = 4  # "we train on a 4-GPU machine" -- THE BUG when the job is launched with another size
@@ -39,12 +39,13 @@ def main(argv: list[str]) -> None:
     if opts["variant"] not in ("fixed", "broken"):
         raise SystemExit("error: --variant must be fixed or broken")
     rank = int(os.environ["RANK"])
+    announce_cpu(rank)
     rec = Record(opts["out_dir"], rank)
     timeout = timedelta(seconds=opts["timeout_s"])
     try:
         if opts["variant"] == "broken":
             rec.note(asked_world_size=WORLD_SIZE, in_call="init_process_group")
-            dist.init_process_group("gloo", rank=rank, world_size=WORLD_SIZE, timeout=timeout)
+            dist.init_process_group("gloo", rank=rank, world_size=WORLD_SIZE, timeout=timeout)  # by design: CPU
         else:
             rec.note(asked_world_size=None, in_call="init_process_group")
             dist.init_process_group("gloo", timeout=timeout)  # rank and world size from torchrun's environment
