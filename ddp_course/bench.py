@@ -8,7 +8,8 @@
     python -m ddp_course.bench NAME --help          the options of one benchmark
 
 ``overhead``, ``ddp_vs_threads`` and ``clean_exit`` live in this file; every module ``ddp_course/benchmarks/NAME.py``
-(with ``main(argv) -> int``) is a benchmark too, run the same way.
+(with ``main(argv) -> int``) is a benchmark too, run the same way. Such a module may register itself with
+``@bench`` to use this file's options and output (``benchmarks/gpu.py`` does).
 
 Each benchmark prints a table and writes ``<out>/<name>.json`` (``--out`` defaults to
 ``bench_results``). Options are ``--key=value``; unknown keys are refused. Speed targets live here,
@@ -17,6 +18,7 @@ not in the timed tests: machines differ, and a benchmark reports its own noise.
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import gc
 import json
@@ -200,14 +202,87 @@ def _same_optimizer_config(course: torch.optim.Optimizer, hand: torch.optim.Opti
             raise BenchError(f"optimizer group {i} holds different parameters in the two loops")
 
 
-def _hand_step(model, optimizer, x, y, grad_clip: float) -> torch.Tensor:
-    """The minimal loop body: forward, backward, clip, step, zero_grad."""
-    _, loss = model(x, y)
+def _hand_step(model, optimizer, x, y, grad_clip: float, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The minimal loop body: forward (under autocast to ``dtype`` if given), backward, clip, step, zero_grad."""
+    with torch.autocast(x.device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext():
+        _, loss = model(x, y)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return loss
+
+
+def _hand_steps(model, optimizer, batches: list, start: int, n: int, grad_clip: float,
+                dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``n`` steps of the hand-written loop from step ``start`` over the cycled ``batches``.
+
+    Each batch is copied to the model's device (non-blocking: from pinned memory the copy overlaps
+    the GPU's work; a batch already there is not copied). Returns the last loss, a tensor: no host sync.
+    """
+    device = next(model.parameters()).device
+    loss = None
+    for step in range(start, start + n):
+        x, y = batches[step % len(batches)]
+        loss = _hand_step(model, optimizer, x.to(device, non_blocking=True), y.to(device, non_blocking=True),
+                          grad_clip, dtype)
+    return loss
+
+
+def _course_steps(model, optimizer, scaler, batches: list, cfg, device: torch.device, start: int, n: int,
+                  schedule: bool = True) -> torch.Tensor:
+    """``n`` steps of the course's loop from step ``start``: per step, what ``run_training`` does (the
+    scheduled learning rate, the micro-batches copied in, non-blocking on a GPU), then ``train_step``.
+
+    ``batches`` are cycled; ``schedule=False`` keeps the optimizer's learning rate. Returns the last
+    step's mean loss, a tensor: no host sync.
+    """
+    from ddp_course.train import lr_at, train_step
+
+    non_blocking = device.type == "cuda"  # as run_training: its batches come pinned on a GPU
+    loss = None
+    for step in range(start, start + n):
+        if schedule:
+            lr = lr_at(step, cfg)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+        micro = [(x.to(device, non_blocking=non_blocking), y.to(device, non_blocking=non_blocking))
+                 for x, y in (batches[(step * cfg.grad_accum_steps + k) % len(batches)]
+                              for k in range(cfg.grad_accum_steps))]
+        loss, _ = train_step(model, optimizer, scaler, micro, device=device, precision=cfg.precision,
+                             grad_clip=cfg.grad_clip, no_sync=cfg.no_sync)
+    return loss
+
+
+def _same_work_check(name: str, course: Callable[[int], torch.Tensor], hand: Callable[[int], torch.Tensor],
+                     course_model: torch.nn.Module, hand_model: torch.nn.Module, steps: int,
+                     rel_tol: float = 1e-6) -> dict[str, Any]:
+    """Run ``course(step)`` and ``hand(step)`` (one step each, from one state, on the same batches)
+    ``steps`` times; raise BenchError unless their losses agree within ``rel_tol``.
+
+    Both loops run the same kernels on the same data in the same order, and dividing by K = 1 is
+    exact in floating point, so the losses agree to the last bit on a deterministic backend. The
+    default tolerance leaves room only for a few ulps of float32 (2**-23 = 1.2e-7 relative), e.g. from
+    a backend that splits a reduction differently between calls: 1e-6 relative is far below any real
+    difference in the work (a missed clip, a different LR or weight decay moves the loss by >1e-4).
+    """
+    c_losses, h_losses = [], []
+    for step in range(steps):
+        c_losses.append(course(step).item())
+        h_losses.append(hand(step).item())
+    param_diff = max((a.float() - b.float()).abs().max().item()
+                     for a, b in zip(course_model.parameters(), hand_model.parameters()))
+    loss_diff = max(abs(a - b) for a, b in zip(c_losses, h_losses))
+    tol = rel_tol * max(1.0, max(abs(v) for v in c_losses))
+    check = {"steps": steps, "loss_course": c_losses, "loss_hand": h_losses, "max_abs_loss_diff": loss_diff,
+             "max_abs_param_diff": param_diff, "tolerance": tol, "ok": loss_diff <= tol}
+    print(f"[{name}] same-work check: {steps} steps from one state, loss {c_losses[-1]:.6f} "
+          f"(course) vs {h_losses[-1]:.6f} (hand), max |diff| {loss_diff:.2e}, params {param_diff:.2e} "
+          f"(tolerance {tol:.1e})", flush=True)
+    if not check["ok"]:
+        raise BenchError(f"the two loops do not do the same work: losses {c_losses} vs {h_losses} "
+                         f"(max difference {loss_diff:.3e} > {tol:.1e})")
+    return check
 
 
 @bench("overhead",
@@ -239,7 +314,7 @@ def overhead(opts: dict[str, Any]) -> dict[str, Any]:
     from ddp_course.dist import DistInfo, seed_everything
     from ddp_course.metrics import environment
     from ddp_course.model import GPTConfig, MiniGPT
-    from ddp_course.train import build_optimizer, lr_at, make_scaler, train_step
+    from ddp_course.train import build_optimizer, make_scaler
 
     _check_positive(opts, "rounds", "steps", "chunk", "check_steps", "n_batches")
     if opts["warmup"] < 0:
@@ -279,52 +354,18 @@ def overhead(opts: dict[str, Any]) -> dict[str, Any]:
 
     # ---- the two loops ----------------------------------------------------------------------------
     def course_loop(model, optimizer, scaler, start: int, n: int, schedule: bool = True) -> torch.Tensor:
-        loss = None
-        for step in range(start, start + n):
-            if schedule:  # what run_training does before every step
-                lr = lr_at(step, cfg)
-                for group in optimizer.param_groups:
-                    group["lr"] = lr
-            micro = [(x.to(device), y.to(device))
-                     for x, y in (batches[(step * cfg.grad_accum_steps + k) % len(batches)]
-                                  for k in range(cfg.grad_accum_steps))]
-            loss, _ = train_step(model, optimizer, scaler, micro, device=device, precision=cfg.precision,
-                                 grad_clip=cfg.grad_clip, no_sync=cfg.no_sync)
-        return loss
+        return _course_steps(model, optimizer, scaler, batches, cfg, device, start, n, schedule)
 
     def hand_loop(model, optimizer, start: int, n: int) -> torch.Tensor:
-        loss = None
-        for step in range(start, start + n):
-            x, y = batches[step % len(batches)]
-            loss = _hand_step(model, optimizer, x, y, cfg.grad_clip)
-        return loss
+        return _hand_steps(model, optimizer, batches, start, n, cfg.grad_clip)
 
     # ---- 1. same work: one state, same batches, same (constant) learning rate ----------------------
     cm, hm = build(), build()
     c_opt, h_opt = build_optimizer(cm, cfg, device), _hand_optimizer(hm, cfg, device)
     _same_optimizer_config(c_opt, h_opt, cm, hm)
     scaler = make_scaler(device, cfg.precision)
-    c_losses, h_losses = [], []
-    for step in range(opts["check_steps"]):
-        c_losses.append(course_loop(cm, c_opt, scaler, step, 1, schedule=False).item())
-        h_losses.append(hand_loop(hm, h_opt, step, 1).item())
-    param_diff = max((a - b).abs().max().item() for a, b in zip(cm.parameters(), hm.parameters()))
-    loss_diff = max(abs(a - b) for a, b in zip(c_losses, h_losses))
-    # Both loops run the same kernels on the same data in the same order, and dividing by K = 1 is
-    # exact in floating point, so the losses agree to the last bit on a deterministic backend. The
-    # tolerance leaves room only for a few ulps of float32 (2**-23 = 1.2e-7 relative), e.g. from a
-    # backend that splits a reduction differently between calls: 1e-6 relative is far below any real
-    # difference in the work (a missed clip, a different LR or weight decay moves the loss by >1e-4).
-    tol = 1e-6 * max(1.0, max(abs(v) for v in c_losses))
-    check = {"steps": opts["check_steps"], "loss_course": c_losses, "loss_hand": h_losses,
-             "max_abs_loss_diff": loss_diff, "max_abs_param_diff": param_diff, "tolerance": tol,
-             "ok": loss_diff <= tol}
-    print(f"[overhead] same-work check: {opts['check_steps']} steps from one state, loss {c_losses[-1]:.6f} "
-          f"(course) vs {h_losses[-1]:.6f} (hand), max |diff| {loss_diff:.2e}, params {param_diff:.2e} "
-          f"(tolerance {tol:.1e})", flush=True)
-    if not check["ok"]:
-        raise BenchError(f"the two loops do not do the same work: losses {c_losses} vs {h_losses} "
-                         f"(max difference {loss_diff:.3e} > {tol:.1e})")
+    check = _same_work_check("overhead", lambda step: course_loop(cm, c_opt, scaler, step, 1, schedule=False),
+                             lambda step: hand_loop(hm, h_opt, step, 1), cm, hm, opts["check_steps"])
     del cm, hm, c_opt, h_opt
 
     # ---- 2. timing: warm-up, then alternating rounds ------------------------------------------------
@@ -637,6 +678,10 @@ def clean_exit(opts: dict[str, Any]) -> dict[str, Any]:
 
 def run(name: str, **overrides: Any) -> dict[str, Any]:
     """Run benchmark ``name`` from Python: ``run("overhead", rounds=3, steps=5)``. Returns its result."""
+    if name not in BENCHES and name in module_benches():  # a module that registers itself with @bench
+        import importlib
+
+        importlib.import_module(module_benches()[name])
     if name not in BENCHES:
         raise BenchError(f"unknown benchmark {name!r}; choose one of {', '.join(BENCHES)}.")
     b = BENCHES[name]

@@ -239,12 +239,16 @@ def stream_offsets(n_tokens: int, block_size: int, batch_size: int, rank: int, w
 
 
 def stream_batches(tokens: torch.Tensor, block_size: int, batch_size: int, rank: int, world_size: int,
-                   seed: int, start_batch: int = 0):
-    """Yield this rank's (x, y) batches of windows at the offsets of :func:`stream_offsets`."""
+                   seed: int, start_batch: int = 0, pin_memory: bool = False):
+    """Yield this rank's (x, y) batches of windows at the offsets of :func:`stream_offsets`.
+
+    ``pin_memory`` (for a GPU) puts each batch in page-locked memory, as the DataLoader's option of
+    that name does, so that ``.to(device, non_blocking=True)`` copies it while the GPU computes.
+    """
     for starts in stream_offsets(len(tokens), block_size, batch_size, rank, world_size, seed, start_batch):
         x = torch.stack([tokens[s: s + block_size] for s in starts.tolist()])
         y = torch.stack([tokens[s + 1: s + block_size + 1] for s in starts.tolist()])
-        yield x, y
+        yield (x.pin_memory(), y.pin_memory()) if pin_memory else (x, y)
 
 
 def val_batches(ds: Dataset, batch_size: int, n_batches: int, rank: int, world_size: int):

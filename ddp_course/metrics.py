@@ -23,20 +23,26 @@ from typing import Any
 import torch
 
 # Dense peak throughput in FLOP/s for MFU, (16-bit tensor cores, fp32 without TF32), from the
-# vendors' data sheets. A GPU not listed gets no MFU rather than a made-up one.
+# vendors' data sheets. Data sheets quote tensor-core figures "with sparsity" (2:4 structured); the
+# dense peak, the one dense training can reach, is half of that. A GPU not listed gets no MFU rather
+# than a made-up one. Matched by substring of torch.cuda.get_device_name in this order, so a longer
+# name comes before a name it contains (H100 NVL before H100, L40S before L4, A100 before A10).
 PEAK_FLOPS = {
-    "H200": (989e12, 67e12),
-    "H100 PCIe": (756e12, 51e12),
-    "H100": (989e12, 67e12),  # SXM
-    "A100": (312e12, 19.5e12),
-    "L40S": (362e12, 91.6e12),
-    "L4": (121e12, 30.3e12),
-    "A10G": (70e12, 31.2e12),
-    "A10": (125e12, 31.2e12),
-    "T4": (65e12, 8.1e12),
-    "V100": (125e12, 15.7e12),
-    "RTX 4090": (165e12, 82.6e12),
-    "RTX 3090": (71e12, 35.6e12),
+    "GH200": (989e12, 67e12),  # NVIDIA GH200 Grace Hopper data sheet: its H100 GPU, bf16 1,979 sparse
+    "H200 NVL": (835e12, 60e12),  # NVIDIA H200 data sheet, H200 NVL column: bf16 1,671 sparse, fp32 60
+    "H200": (989e12, 67e12),  # NVIDIA H200 data sheet, H200 SXM column: bf16 1,979 sparse, fp32 67
+    "H100 NVL": (835e12, 60e12),  # NVIDIA H100 data sheet, H100 NVL column: bf16 1,671 sparse, fp32 60
+    "H100 PCIe": (756e12, 51e12),  # NVIDIA H100 data sheet, H100 PCIe column: bf16 1,513 sparse, fp32 51
+    "H100": (989e12, 67e12),  # NVIDIA H100 data sheet, H100 SXM (HBM3) column: bf16 1,979 sparse, fp32 67
+    "A100": (312e12, 19.5e12),  # NVIDIA A100 data sheet (SXM and PCIe alike): bf16 624 sparse, fp32 19.5
+    "L40S": (362e12, 91.6e12),  # NVIDIA L40S data sheet: bf16 733 sparse, fp32 91.6
+    "L4": (121e12, 30.3e12),  # NVIDIA L4 data sheet: bf16 242 sparse, fp32 30.3
+    "A10G": (70e12, 31.2e12),  # a cloud-only part with no NVIDIA data sheet: figures as first entered, unverified
+    "A10": (125e12, 31.2e12),  # NVIDIA A10 data sheet: bf16 250 sparse, fp32 31.2
+    "T4": (65e12, 8.1e12),  # NVIDIA T4 data sheet: mixed fp16/fp32 65 dense (no bf16), fp32 8.1
+    "V100": (125e12, 15.7e12),  # NVIDIA V100 data sheet, SXM2: tensor 125 dense (fp16 only), fp32 15.7
+    "RTX 4090": (165e12, 82.6e12),  # NVIDIA Ada architecture whitepaper: fp16/bf16 with fp32 accumulate 165
+    "RTX 3090": (71e12, 35.6e12),  # NVIDIA Ampere GA102 whitepaper: fp16/bf16 with fp32 accumulate 71
 }
 
 
@@ -45,7 +51,7 @@ def peak_flops(device: torch.device, precision: str) -> float | None:
     if device.type != "cuda":
         return None
     name = torch.cuda.get_device_name(device)
-    for key, (half, fp32) in PEAK_FLOPS.items():  # longer names first where it matters (H100 PCIe)
+    for key, (half, fp32) in PEAK_FLOPS.items():  # longer names first where it matters (see the table)
         if key in name:
             return half if precision in ("bf16", "fp16") else fp32
     return None

@@ -131,8 +131,16 @@ class MiniGPT(nn.Module):
         return n
 
     def flops_per_token(self) -> float:
-        """Training FLOPs per token: 6 per non-embedding-position weight (2 forward, 4 backward)
-        plus attention's score and value products, 6 * 2 * L * T * C (forward + backward)."""
+        """Training FLOPs per token of a full ``block_size`` sequence: ``6 * N + 12 * L * T * C``.
+
+        ``6 * N``: every weight does one multiply-add (2 FLOPs) per token forward and two backward (the
+        input's and the weight's gradient). N is ``num_params(include_embeddings=False)``: every weight
+        but the position table, which is a lookup, no arithmetic. The token table stays in N: it is
+        tied to the output head, whose (C -> V) product is real work, and tying makes it one matrix,
+        counted once. LayerNorm gains and biases are in N too (a negligible overcount).
+        ``12 * L * T * C``: attention's scores (q k^T) and weighted sum (att v), 2 * T * C FLOPs each per
+        token per layer forward, times 3 for forward and backward; counted over the full T x T square,
+        as the PaLM paper (appendix B) and nanoGPT count it, although a causal kernel skips about half."""
         c = self.cfg
         return 6 * self.num_params(include_embeddings=False) + 12 * c.n_layer * c.block_size * c.n_embd
 

@@ -60,7 +60,13 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.devi
 
 
 def autocast(device: torch.device, precision: str):
-    """Autocast to bf16/fp16 on this device type, or nothing for fp32."""
+    """Autocast to bf16/fp16 on this device type, or nothing for fp32.
+
+    fp32 stays IEEE fp32 on a GPU too: the course leaves PyTorch's default float32 matmul precision
+    ("highest", not TF32), because lessons compare fp32 runs across strategies and ``bench amp`` times
+    TF32 as a variant of its own. Under bf16/fp16 autocast every matmul of MiniGPT runs in 16 bits, so
+    that setting does not touch them (``tests/test_bench_gpu.py`` checks it).
+    """
     if precision == "fp32":
         return contextlib.nullcontext()
     return torch.autocast(device_type=device.type, dtype=DTYPES[precision])
@@ -181,7 +187,7 @@ def run_training(cfg: TrainConfig, info: DistInfo) -> dict:
     pin = device.type == "cuda"
     if cfg.data_order == "stream":  # random windows, rank-offset slices of one draw (no sampler, no epochs)
         train_iter = stream_batches(data.train.tokens, cfg.block_size, cfg.micro_batch_size, info.rank,
-                                    info.world_size, cfg.seed, start_batch=start_batch)
+                                    info.world_size, cfg.seed, start_batch=start_batch, pin_memory=pin)
     else:
         train_iter = train_batches(data.train, cfg.micro_batch_size, info.rank, info.world_size, cfg.seed,
                                    start_batch=start_batch, num_workers=cfg.num_workers,

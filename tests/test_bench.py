@@ -122,10 +122,10 @@ def test_same_work_check_catches_a_different_loop(tmp_path, monkeypatch, keep_th
         with pytest.raises(bench.BenchError, match="optimizer"):
             bench.run("overhead", **small)
 
-    def doubled_lr(model, optimizer, x, y, grad_clip):
+    def doubled_lr(model, optimizer, x, y, grad_clip, dtype=None):
         for g in optimizer.param_groups:
             g["lr"] = 2e-3
-        return original(model, optimizer, x, y, grad_clip)
+        return original(model, optimizer, x, y, grad_clip, dtype)
 
     original = bench._hand_step
     monkeypatch.setattr(bench, "_hand_step", doubled_lr)
