@@ -52,12 +52,14 @@ lab: setup
 	$(PY) -m jupyter lab --ip=127.0.0.1 --port=$(PORT) --no-browser $(ROOT_FLAG) --ServerApp.root_dir=$(CURDIR)
 
 # The notebooks run as a learner's completed copies (answers in place of the TODOs, no markers,
-# the solutions' outputs kept for the cells nbval compares): build/learner, rebuilt each time. Two
-# pytest sessions share the suite; each runs its notebooks before its tests, and a test that checks
-# the same job as a notebook reads the notebook's run of it (tools/run_tests.py explains).
+# the solutions' outputs kept for the cells nbval compares): build/learner, rebuilt each time. They
+# run first: a test that checks the same job as a notebook reads the notebook's run of it
+# (tests/notebook_runs.py) instead of launching it again.
 test: setup
 	$(PY) tools/make_lessons.py --answered build/learner
-	$(PY) tools/run_tests.py $(PYTEST_ARGS)
+	DDP_COURSE_NOTEBOOK_RUNS=$(CURDIR)/build/learner \
+	$(PY) -m pytest build/learner tests --nbval-lax --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg \
+	  --nbval-cell-timeout=600 -p no:cacheprovider $(PYTEST_ARGS)
 
 lessons: setup
 	$(PY) tools/make_lessons.py
@@ -69,4 +71,4 @@ bench-overhead: setup
 	$(PY) -m ddp_course.bench overhead
 
 clean:
-	rm -rf runs solutions/runs lessons/runs bench_results .pytest_cache build/learner build/pytest-A build/pytest-B
+	rm -rf runs solutions/runs lessons/runs bench_results .pytest_cache build/learner
