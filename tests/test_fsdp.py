@@ -12,6 +12,7 @@ import math
 import shutil
 from pathlib import Path
 
+import notebook_runs
 import pytest
 import torch
 
@@ -21,7 +22,11 @@ from ddp_course.dist import DistInfo
 from ddp_course.launch import run
 
 ROOT = Path(__file__).resolve().parents[1]
-LAB = {"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 32, "micro_batch_size": 4, "lr": 1e-3}
+# Lesson 09's two lab jobs, option for option: under `make test` the tests check the notebook's runs.
+LAB = {"n_layer": 2, "n_head": 4, "n_embd": 128, "block_size": 32, "micro_batch_size": 4, "device": "cpu"}
+LAB2 = {"steps": 6, "variants": "ddp,fsdp,fsdp_noreshard,fsdp_bf16,fsdp_ac,fsdp1,fsdp1_noreshard", "trace": True,
+        "checkpoints": True, "fsdp1_hybrid_bug": True, **LAB}
+LAB4 = {"steps": 3, "variants": "ddp,fsdp,fsdp_noreshard,fsdp_hybrid,fsdp1,fsdp1_hybrid", "trace": True, **LAB}
 # fp32: FSDP and DDP add the same gradients in another order (reduce-scatter and a DTensor norm for
 # clipping vs DDP's all-reduce), which changes last bits, ~1e-7 of a gradient: the two trainings'
 # updates then differ by ~1e-5 of their size. A real bug (a missing average, an unsynchronised tensor)
@@ -39,19 +44,20 @@ BF16_LOSS_RTOL = 0.01  # per step; the loss of the same weights in bf16 vs fp32 
 
 @pytest.fixture(scope="module")
 def lab2(tmp_path_factory):
-    out = tmp_path_factory.mktemp("fsdp_lab2")
-    run("ddp_course.labs.fsdp_lab", nproc=2, out_dir=out, timeout=240, progress=False, echo="none",
-        variants="ddp,fsdp,fsdp_bf16,fsdp1", steps=4, checkpoints=True, fsdp1_hybrid_bug=True, trace=True,
-        device="cpu", **LAB)
-    return json.loads((out / "fsdp_lab.json").read_text())
+    return _lab(tmp_path_factory, 2, "runs/09_lab2", LAB2)
 
 
 @pytest.fixture(scope="module")
 def lab4(tmp_path_factory):
-    out = tmp_path_factory.mktemp("fsdp_lab4")
-    run("ddp_course.labs.fsdp_lab", nproc=4, out_dir=out, timeout=300, progress=False, echo="none",
-        variants="ddp,fsdp,fsdp_hybrid", steps=3, trace=True, device="cpu", **LAB)
-    return json.loads((out / "fsdp_lab.json").read_text())
+    return _lab(tmp_path_factory, 4, "runs/09_lab4", LAB4)
+
+
+def _lab(tmp_path_factory, nproc: int, notebook_dir: str, flags: dict) -> dict:
+    job = notebook_runs.reuse(notebook_dir, "ddp_course.labs.fsdp_lab", nproc, **flags)
+    if job is None:
+        job = run("ddp_course.labs.fsdp_lab", nproc=nproc, out_dir=tmp_path_factory.mktemp(f"fsdp_lab{nproc}"),
+                  timeout=300, progress=False, echo="none", **flags)
+    return json.loads((job.out_dir / "fsdp_lab.json").read_text())
 
 
 # --- FSDP matches DDP -------------------------------------------------------------------------------
