@@ -31,9 +31,10 @@ class Verdict:
 
 
 NOT_COMPLETE = "exercise not complete"
+STUB = "exercise: complete this part"  # the message of the stub every TODO of lessons/ raises
 
 
-def not_complete(what: str, where: str | Path | None = None) -> Verdict:
+def not_complete(what: str, where: str | Path | None = None, plural: bool = False) -> Verdict:
     """The verdict on an exercise whose TODO is still there, saying what to do next.
 
     ``where`` is the exercise script's path; ``None`` means an exercise in the notebook (the cell
@@ -41,7 +42,7 @@ def not_complete(what: str, where: str | Path | None = None) -> Verdict:
     """
     todo = ("fill in the TODO in the exercise cell above and run that cell" if where is None else
             f"fill in the TODO in {where} and save the file")
-    return Verdict(False, f"{NOT_COMPLETE}: {what} still raises NotImplementedError. {todo[0].upper()}{todo[1:]}, "
+    return Verdict(False, f"{NOT_COMPLETE}: {what} still raise{'' if plural else 's'} NotImplementedError. {todo[0].upper()}{todo[1:]}, "
                           "then re-run this cell.")
 
 
@@ -127,12 +128,45 @@ def graders() -> list[str]:
     return sorted(m.name[1:] for m in pkgutil.iter_modules(pkg.__path__) if m.name.startswith("g"))
 
 
+def unfinished(source: str) -> list[str]:
+    """Where ``source`` still raises the exercise's stub: ``["name()", ...]`` for each top-level
+    function that does, ``["the script"]`` for a stub outside any function; [] when none is left
+    (or the file does not parse: the grader's run then shows the error)."""
+    import ast
+
+    def is_stub(node: ast.AST) -> bool:
+        return (isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call)
+                and getattr(node.exc.func, "id", None) == "NotImplementedError"
+                and any(isinstance(a, ast.Constant) and a.value == STUB for a in node.exc.args))
+
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return []
+    where = []
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            if any(is_stub(n) for n in ast.walk(node)):
+                where.append(f"{node.name}()")
+        elif any(is_stub(n) for n in ast.walk(node)):
+            where.append("the script")
+    return where
+
+
 def grade(number: str, path: str | Path, **kwargs) -> Verdict:
-    """Run exercise ``number``'s grader (``ddp_course.graders.g<number>.grade``) on a script."""
+    """Run exercise ``number``'s grader (``ddp_course.graders.g<number>.grade``) on a script.
+
+    A script that still holds a TODO's stub gets its verdict at once, before any job is started.
+    """
     import importlib
 
     if number not in graders():
         raise ValueError(f"no grader for exercise {number!r}; there are graders for {', '.join(graders())}")
+    path_ = Path(path)
+    left = unfinished(path_.read_text(encoding="utf-8")) if path_.is_file() else []
+    if left:
+        what = left[0] if len(left) == 1 else ", ".join(left[:-1]) + " and " + left[-1]
+        return not_complete(what, path, plural=len(left) > 1)
     return importlib.import_module(f"ddp_course.graders.g{number}").grade(path, **kwargs)
 
 

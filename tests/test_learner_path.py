@@ -196,6 +196,19 @@ def test_replace_function_body_on_learner_and_solution_files():
         replace_function_body(learner, "nope", body)
 
 
+def test_a_stub_left_in_a_script_is_reported_before_any_job_starts(monkeypatch):
+    from ddp_course import check, launch
+
+    monkeypatch.setattr(launch, "run", lambda *a, **k: pytest.fail("the grader started a job"))
+    for number, name, what in (("06", "06_no_sync.py", "accumulate() still raises"),
+                               ("08", "08_save_load.py", "save_checkpoint() and load_checkpoint() still raise")):
+        verdict = check.grade(number, LESSONS / "exercises" / name)
+        assert not verdict.ok and verdict.message.startswith(f"{NOT_COMPLETE}: {what} NotImplementedError"), verdict
+    assert check.unfinished(f'x = 1\nraise NotImplementedError("{STUB}")\n') == ["the script"]
+    assert check.unfinished('def f():\n    raise NotImplementedError("not yet")\n') == []  # not the course's stub
+    assert check.unfinished("def f(:\n") == []  # a syntax error is left to the grader's run to show
+
+
 def test_not_complete_says_what_to_do():
     from ddp_course.check import not_complete
 
