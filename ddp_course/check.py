@@ -128,16 +128,20 @@ def graders() -> list[str]:
     return sorted(m.name[1:] for m in pkgutil.iter_modules(pkg.__path__) if m.name.startswith("g"))
 
 
+def is_stub(node) -> bool:
+    """True for an ``ast`` node that is the exercise's stub, ``raise NotImplementedError(STUB)``."""
+    import ast
+
+    return (isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call)
+            and getattr(node.exc.func, "id", None) == "NotImplementedError"
+            and any(isinstance(a, ast.Constant) and a.value == STUB for a in node.exc.args))
+
+
 def unfinished(source: str) -> list[str]:
     """Where ``source`` still raises the exercise's stub: ``["name()", ...]`` for each top-level
     function that does, ``["the script"]`` for a stub outside any function; [] when none is left
     (or the file does not parse: the grader's run then shows the error)."""
     import ast
-
-    def is_stub(node: ast.AST) -> bool:
-        return (isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call)
-                and getattr(node.exc.func, "id", None) == "NotImplementedError"
-                and any(isinstance(a, ast.Constant) and a.value == STUB for a in node.exc.args))
 
     try:
         tree = ast.parse(source)

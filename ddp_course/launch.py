@@ -370,7 +370,7 @@ def run(module: str = TRAIN_MODULE, nproc: int = 2, *, out_dir: str | os.PathLik
     if out_path is not None:
         write_json(out_path / RECORD, {"module": module, "nproc": nproc, "command": cmd, "overrides": overrides,
                                        "env": env or {}, "returncode": proc.returncode, "output": run_.output,
-                                       "elapsed_s": run_.elapsed_s, "finished_at": time.time()})
+                                       "elapsed_s": run_.elapsed_s})
     if check and proc.returncode != 0:
         raise LaunchError(_explain_failure(run_, log_dir), run_)
     return run_

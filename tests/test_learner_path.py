@@ -36,10 +36,10 @@ from pathlib import Path
 import nbformat
 import pytest
 
+from ddp_course.check import NOT_COMPLETE, STUB, is_stub
+
 ROOT = Path(__file__).resolve().parents[1]
 LESSONS = ROOT / "lessons"
-STUB = "exercise: complete this part"
-NOT_COMPLETE = "exercise not complete"
 GRADING_RE = re.compile(r"^assert verdict\.ok\b", re.M)
 # Lessons whose exercises are answers about jobs that run the same whether or not the answers are
 # there: the unanswered run executes only the answer cells and their checks, after the lesson's
@@ -57,12 +57,6 @@ def _tree(source: str) -> ast.Module:
     from IPython.core.inputtransformer2 import TransformerManager  # %magics and !commands, as the kernel sees them
 
     return ast.parse(TransformerManager().transform_cell(source))
-
-
-def _is_stub(node: ast.stmt) -> bool:
-    return (isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call)
-            and getattr(node.exc.func, "id", None) == "NotImplementedError"
-            and any(isinstance(a, ast.Constant) and a.value == STUB for a in node.exc.args))
 
 
 def _bound(stmts: list[ast.stmt]) -> set[str]:
@@ -91,9 +85,9 @@ def affected_names(cell_source: str) -> set[str]:
     """What a TODO cell leaves undefined or broken: every name it binds, except those bound before
     a top-level stub by statements that do not raise (a function holding a stub raises when called)."""
     body = _tree(cell_source).body
-    top_stub = next((i for i, s in enumerate(body) if _is_stub(s)), len(body))
+    top_stub = next((i for i, s in enumerate(body) if is_stub(s)), len(body))
     raising = {s.name for s in body if isinstance(s, (ast.FunctionDef, ast.AsyncFunctionDef))
-               and any(_is_stub(n) for n in ast.walk(s))}
+               and any(is_stub(n) for n in ast.walk(s))}
     return (_bound(body) - _bound(body[:top_stub])) | raising
 
 
