@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return bench(rest)
     if cmd == "multinode":
-        from ddp_course.multinode import main as multinode
+        from ddp_course.course.l10_scaling.multinode import main as multinode
 
         return multinode(rest)
     if cmd == "check":

@@ -7,9 +7,9 @@
     python -m ddp_course.bench overhead --n_layer=4 --rounds=9 --out=/tmp/bench
     python -m ddp_course.bench NAME --help          the options of one benchmark
 
-``overhead``, ``ddp_vs_threads`` and ``clean_exit`` live in this file; every module ``ddp_course/benchmarks/NAME.py``
+``overhead``, ``ddp_vs_threads`` and ``clean_exit`` live in this file; every module ``ddp_course/course/lNN_<topic>/bench_NAME.py``
 (with ``main(argv) -> int``) is a benchmark too, run the same way. Such a module may register itself with
-``@bench`` to use this file's options and output (``benchmarks/gpu.py`` does).
+``@bench`` to use this file's options and output (``l10_scaling/bench_gpu.py`` does).
 
 Each benchmark prints a table and writes ``<out>/<name>.json`` (``--out`` defaults to
 ``bench_results``). Options are ``--key=value``; unknown keys are refused. Speed targets live here,
@@ -104,13 +104,18 @@ def parse_options(b: Bench, argv: list[str]) -> dict[str, Any]:
 
 
 def module_benches() -> dict[str, str]:
-    """{name: module} for the benchmark modules in ``ddp_course/benchmarks/`` (each has ``main(argv)``)."""
+    """{name: module} for the benchmark modules ``ddp_course/course/lNN_<topic>/bench_NAME.py``."""
     import pkgutil
 
-    from ddp_course import benchmarks
+    from ddp_course.course import lesson_folders
 
-    return {m.name: f"{benchmarks.__name__}.{m.name}" for m in pkgutil.iter_modules(benchmarks.__path__)
-            if not m.name.startswith("_") and m.name not in BENCHES}
+    found = {}
+    for pkg in lesson_folders().values():
+        path = [str(Path(__file__).parent / "course" / pkg.rsplit(".", 1)[1])]
+        for m in pkgutil.iter_modules(path):
+            if m.name.startswith("bench_") and m.name[6:] not in BENCHES:
+                found[m.name[6:]] = f"{pkg}.{m.name}"
+    return dict(sorted(found.items()))
 
 
 def _module_summary(module: str) -> str:
@@ -612,7 +617,7 @@ CLEAN_EXIT_JOBS = {
     # name: (module, arguments); {out} is the job's own folder
     "train": ("ddp_course.train", ["--strategy=ddp", "--max_steps=5", "--eval_interval=0", "--eval_batches=2",
                                    *_TINY_MODEL, "--out_dir={out}"]),
-    "profile": ("ddp_course.labs.ddp_profile", ["--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=16",
+    "profile": ("ddp_course.course.l05_inside_ddp.ddp_profile", ["--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=16",
                                                 "--micro_batch_size=4", "--trace_steps=1", "--steps=2", "--rounds=1",
                                                 "--warmup=2", "--bucket_cap_mb=0.01", "--out_dir={out}"]),
 }

@@ -1,6 +1,6 @@
 """Self-checks for the exercises: ``python -m ddp_course check NN PATH`` and the notebook checks.
 
-Script graders live in ``ddp_course/graders/gNN.py`` (one module per exercise, each with
+Script graders live in their lesson's folder, ``ddp_course/course/lNN_<topic>/grader.py`` (each with
 ``grade(path, **kwargs) -> Verdict``); ``results(output)`` reads the ``RESULT {json}`` lines that
 exercise scripts print.
 
@@ -119,13 +119,14 @@ def attention(fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Ten
     return Verdict(True, "your attention equals F.scaled_dot_product_attention (causal) on two shapes.")
 
 
-def graders() -> list[str]:
-    """Exercise numbers that have a grader: the modules ``ddp_course/graders/gNN.py``."""
-    import pkgutil
+def graders() -> dict[str, str]:
+    """{"NN": module} for the exercises that have a grader: ``ddp_course/course/lNN_<topic>/grader.py``."""
+    import importlib.util
 
-    from ddp_course import graders as pkg
+    from ddp_course.course import lesson_folders
 
-    return sorted(m.name[1:] for m in pkgutil.iter_modules(pkg.__path__) if m.name.startswith("g"))
+    return {nn: f"{pkg}.grader" for nn, pkg in lesson_folders().items()
+            if importlib.util.find_spec(f"{pkg}.grader") is not None}
 
 
 def is_stub(node) -> bool:
@@ -158,7 +159,7 @@ def unfinished(source: str) -> list[str]:
 
 
 def grade(number: str, path: str | Path, **kwargs) -> Verdict:
-    """Run exercise ``number``'s grader (``ddp_course.graders.g<number>.grade``) on a script.
+    """Run exercise ``number``'s grader (``grade`` in its lesson folder's ``grader.py``) on a script.
 
     A script that still holds a TODO's stub gets its verdict at once, before any job is started.
     """
@@ -171,7 +172,7 @@ def grade(number: str, path: str | Path, **kwargs) -> Verdict:
     if left:
         what = left[0] if len(left) == 1 else ", ".join(left[:-1]) + " and " + left[-1]
         return not_complete(what, path, plural=len(left) > 1)
-    return importlib.import_module(f"ddp_course.graders.g{number}").grade(path, **kwargs)
+    return importlib.import_module(graders()[number]).grade(path, **kwargs)
 
 
 def main(argv: list[str]) -> int:

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from ddp_course import amp
+from ddp_course.course.l07_mixed_precision import amp
 from ddp_course.launch import run
 from ddp_course.model import GPTConfig, MiniGPT
 from ddp_course.train import make_scaler, train_step
@@ -148,7 +148,7 @@ def test_amp_training_runs_on_cpu(precision, tmp_path, tiny):
 
 def test_amp_ddp_lab_scalers_agree(tmp_path):
     out = tmp_path / "amp_ddp"
-    run("ddp_course.labs.amp_ddp", nproc=2, out_dir=out, timeout=150, progress=False, echo="none",
+    run("ddp_course.course.l07_mixed_precision.amp_ddp", nproc=2, out_dir=out, timeout=150, progress=False, echo="none",
         steps=4, spike_step=1, spike_rank=1, n_layer=1, n_embd=32, micro_batch_size=4, block_size=16,
         device="cpu", threads=1)
     ranks = [json.loads((out / f"amp_ddp_rank{r}.json").read_text()) for r in (0, 1)]
@@ -171,7 +171,7 @@ def test_amp_ddp_lab_scalers_agree(tmp_path):
 # the benchmark
 
 def test_amp_bench_tiny(tmp_path, one_thread):
-    from ddp_course.benchmarks import amp as amp_bench
+    from ddp_course.course.l07_mixed_precision import bench_amp as amp_bench
 
     # two precisions (each memory measurement is a fresh process); fp16 takes the GradScaler path
     res = amp_bench.bench(precisions="fp32,fp16", n_layer=1, n_head=2, n_embd=32, block_size=16, micro_batch_size=4,
@@ -192,7 +192,7 @@ def test_amp_bench_tiny(tmp_path, one_thread):
 
 
 def test_amp_bench_refuses_bad_options(capsys):
-    from ddp_course.benchmarks import amp as amp_bench
+    from ddp_course.course.l07_mixed_precision import bench_amp as amp_bench
 
     assert amp_bench.main(["--n_embed=64"]) == 1
     assert "unknown option --n_embed" in capsys.readouterr().err
@@ -247,7 +247,7 @@ def test_autocast_and_scaler_on_cuda():
 
 @needs_cuda
 def test_amp_bench_on_cuda(tmp_path):
-    from ddp_course.benchmarks import amp as amp_bench
+    from ddp_course.course.l07_mixed_precision import bench_amp as amp_bench
 
     res = amp_bench.bench(n_layer=1, n_head=2, n_embd=64, block_size=32, micro_batch_size=8, rounds=2, steps=2,
                           device="cuda", out=tmp_path)

@@ -20,9 +20,9 @@ from conftest import ROOT, TINY
 from ddp_course import checkpoint
 from ddp_course.checkpoint import CheckpointError
 from ddp_course.config import TrainConfig
+from ddp_course.course.l08_checkpointing import grader
 from ddp_course.data import TokenWindows, train_batches
 from ddp_course.dist import DistInfo
-from ddp_course.graders import g08
 from ddp_course.launch import run
 from ddp_course.metrics import read_jsonl
 from ddp_course.model import GPTConfig, MiniGPT
@@ -134,7 +134,7 @@ def test_two_rank_checkpoints_load_into_four_ranks(runs, tmp_path):
     full = checkpoint.checkpoint_path(runs["reference"].out_dir, 10, "full")
     sharded = checkpoint.checkpoint_path(runs["sharded"].out_dir, 10, "sharded")
     want = checkpoint.fingerprint(*_load_one_process(full)[:2])
-    run("ddp_course.labs.ckpt_reshard", nproc=4, out_dir=tmp_path, timeout=200, progress=False, echo="none",
+    run("ddp_course.course.l08_checkpointing.ckpt_reshard", nproc=4, out_dir=tmp_path, timeout=200, progress=False, echo="none",
         ckpts=f"{full},{sharded}")
     for rank in range(4):
         report = json.loads((tmp_path / f"reshard_rank{rank}.json").read_text())
@@ -172,7 +172,7 @@ def killed(tmp_path_factory) -> dict[str, tuple[Path, int]]:
     root = tmp_path_factory.mktemp("kill")
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env.update(OMP_NUM_THREADS="1")
-    procs = {fmt: subprocess.Popen([sys.executable, "-m", "ddp_course.labs.ckpt_kill", f"--format={fmt}",
+    procs = {fmt: subprocess.Popen([sys.executable, "-m", "ddp_course.course.l08_checkpointing.ckpt_kill", f"--format={fmt}",
                                     f"--out_dir={root / fmt}"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                                    stderr=subprocess.STDOUT, text=True)
              for fmt in checkpoint.FORMATS}
@@ -329,12 +329,12 @@ def test_metrics_rows_after_the_checkpoint_are_dropped(tmp_path):
 
 # --- exercise 08 -------------------------------------------------------------------------------------------
 
-def _results(loaded: dict[int, dict] | None = None, start: int = g08.CKPT_STEP) -> list[dict]:
+def _results(loaded: dict[int, dict] | None = None, start: int = grader.CKPT_STEP) -> list[dict]:
     """RESULT rows as the exercise prints them after a restart: the resumed run, then its reference."""
     out = []
     for r in range(2):
         ref = {"at_ckpt": {"model": "m", "optimizer": "o", "rng": f"rng{r}"}, "final": "f",
-               "losses": {str(s): float(s) for s in range(1, g08.MAX_STEPS + 1)}}
+               "losses": {str(s): float(s) for s in range(1, grader.MAX_STEPS + 1)}}
         out.append({"rank": r, "attempt": 1, "start": start,
                     "loaded": {**ref["at_ckpt"], **(loaded or {}).get(r, {})}, "at_ckpt": None, "final": "f",
                     "losses": {k: v for k, v in ref["losses"].items() if int(k) > start}, "reference": ref})
@@ -342,14 +342,14 @@ def _results(loaded: dict[int, dict] | None = None, start: int = g08.CKPT_STEP) 
 
 
 def test_grader_diagnoses_each_missing_part():
-    assert g08.diagnose(_results()).ok
-    v = g08.diagnose(_results({1: {"rng": "rng0"}}))
+    assert grader.diagnose(_results()).ok
+    v = grader.diagnose(_results({1: {"rng": "rng0"}}))
     assert not v.ok and "got rank 0's RNG state" in v.message
-    v = g08.diagnose(_results({0: {"optimizer": "x"}, 1: {"optimizer": "x"}}))
+    v = grader.diagnose(_results({0: {"optimizer": "x"}, 1: {"optimizer": "x"}}))
     assert not v.ok and "optimizer" in v.message and "[0, 1]" in v.message
-    v = g08.diagnose(_results(start=0))
+    v = grader.diagnose(_results(start=0))
     assert not v.ok and "started again from step 0" in v.message
-    v = g08.diagnose([{**row, "final": "g"} for row in _results()])
+    v = grader.diagnose([{**row, "final": "g"} for row in _results()])
     assert not v.ok and "in the final parameters" in v.message
 
 

@@ -25,7 +25,7 @@ def _rec(result: dict, name: str) -> dict:
 
 def _check_collectives(ranks: list[dict], n: int) -> None:
     """Recompute every 'after' from the seeded inputs (not from the lab's own 'expected')."""
-    from ddp_course.labs.collectives import K, chunk_inputs, reduce_inputs
+    from ddp_course.course.l02_collectives.collectives import K, chunk_inputs, reduce_inputs
 
     R, C, RS = reduce_inputs(n), chunk_inputs(n), reduce_inputs(n, n * K, seed=1)
     assert [d["rank"] for d in ranks] == list(range(n))
@@ -51,7 +51,7 @@ def _check_collectives(ranks: list[dict], n: int) -> None:
 
 
 def test_collectives_lab_4_ranks(tmp_path):
-    run("ddp_course.labs.collectives", nproc=4, out_dir=tmp_path, timeout=120, echo="none", progress=False,
+    run("ddp_course.course.l02_collectives.collectives", nproc=4, out_dir=tmp_path, timeout=120, echo="none", progress=False,
         barrier_delay_s=0.1)
     ranks = _per_rank(tmp_path, "collectives_rank*.json")
     _check_collectives(ranks, 4)
@@ -63,7 +63,7 @@ import sys
 
 import torch.distributed as dist
 
-from ddp_course.labs import collectives
+from ddp_course.course.l02_collectives import collectives
 
 real_all_reduce = dist.all_reduce
 
@@ -99,8 +99,8 @@ def test_collectives_lab_2_ranks_without_avg_and_reduce_scatter(tmp_path):
 
 
 def test_labs_refuse_bad_options(capsys, monkeypatch):
-    from ddp_course.labs import collectives, mismatch
-    from ddp_course.labs._flags import FlagError, parse_flags
+    from ddp_course.course._flags import FlagError, parse_flags
+    from ddp_course.course.l02_collectives import collectives, mismatch
 
     assert collectives.main(["--out-dirr=x"]) == 2
     assert "unknown option --out_dirr" in capsys.readouterr().out
@@ -133,7 +133,7 @@ def test_ring_grader_passes_solution_and_explains_a_missing_all_gather(tmp_path)
 
 def test_mismatch_ends_with_timeout_error_within_bound(tmp_path):
     timeout_s = 3.0
-    r = run("ddp_course.labs.mismatch", nproc=2, out_dir=tmp_path, case="order", timeout_s=timeout_s, timeout=90,
+    r = run("ddp_course.course.l02_collectives.mismatch", nproc=2, out_dir=tmp_path, case="order", timeout_s=timeout_s, timeout=90,
             echo="none", progress=False, check=False)
     assert r.returncode != 0, "a mismatched job must fail"
     reports = _per_rank(tmp_path, "mismatch_rank*.json")
@@ -152,11 +152,11 @@ def test_mismatch_ends_with_timeout_error_within_bound(tmp_path):
 
 
 def test_allreduce_bench_tiny(tmp_path):
-    from ddp_course.benchmarks import allreduce
+    from ddp_course.course.l02_collectives import bench_allreduce
 
-    res = allreduce.bench(world_sizes="2", min_bytes=256, max_bytes=4096, repeats=2, block_s=0.002, warmup=1,
+    res = bench_allreduce.bench(world_sizes="2", min_bytes=256, max_bytes=4096, repeats=2, block_s=0.002, warmup=1,
                           out=tmp_path)
-    on_disk = json.loads((tmp_path / "allreduce.json").read_text())
+    on_disk = json.loads((tmp_path / "bench_allreduce.json").read_text())
     assert on_disk["jobs"][0]["world_size"] == 2 and on_disk["jobs"][0]["backend"] == "gloo"
     rows = on_disk["jobs"][0]["rows"]
     assert [row["bytes"] for row in rows] == [256, 1024, 4096]
@@ -165,7 +165,7 @@ def test_allreduce_bench_tiny(tmp_path):
         assert row["algbw_GBps"] == pytest.approx(row["bytes"] / row["time_s"] / 1e9)
         assert row["busbw_GBps"] == pytest.approx(row["algbw_GBps"] * 2 * (2 - 1) / 2)
     assert res["jobs"][0]["rows"] == rows
-    assert allreduce.main(["--world_sizes=1", f"--out={tmp_path / 'x'}"]) == 1  # refused before any launch
-    assert allreduce.main(["--max_bytes=lots"]) == 1
+    assert bench_allreduce.main(["--world_sizes=1", f"--out={tmp_path / 'x'}"]) == 1  # refused before any launch
+    assert bench_allreduce.main(["--max_bytes=lots"]) == 1
     assert not (tmp_path / "x").exists()
-    assert allreduce.bus_factor(4) == 1.5 and allreduce.message_sizes(1, 64, 4) == [4, 16, 64]
+    assert bench_allreduce.bus_factor(4) == 1.5 and bench_allreduce.message_sizes(1, 64, 4) == [4, 16, 64]

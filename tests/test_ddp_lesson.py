@@ -22,11 +22,11 @@ import torch
 from conftest import ROOT
 
 from ddp_course.config import ConfigError, TrainConfig
+from ddp_course.course.l04_ddp.grader import PARAM_ATOL
 from ddp_course.data import stream_batches, stream_offsets
-from ddp_course.graders.g04 import PARAM_ATOL
 from ddp_course.launch import run
 
-RECIPE = "ddp_course.labs.ddp_recipe"
+RECIPE = "ddp_course.course.l04_ddp.ddp_recipe"
 STEPS = 36  # 96 windows / 2 ranks / 8 per batch = 6 steps per epoch: 6 epochs
 # Lesson 04's two jobs, option for option: under `make test` the tests check the notebook's runs.
 DDP_JOB = {"variants": "recipe,stream,no_set_epoch,no_sampler,manual,no_broadcast,adamw", "steps": STEPS,
@@ -205,8 +205,8 @@ def test_recipe_on_two_gpus_equals_one_gpu(tmp_path):
 
 
 def test_recipe_refuses_unknown_options_and_variants():
-    from ddp_course.labs._flags import FlagError
-    from ddp_course.labs.ddp_recipe import parse
+    from ddp_course.course._flags import FlagError
+    from ddp_course.course.l04_ddp.ddp_recipe import parse
 
     with pytest.raises(FlagError, match="Did you mean --steps"):
         parse(["--step=3"])
@@ -227,7 +227,7 @@ def fresh_cache(tmp_path_factory):
 
 @pytest.mark.timeout(300)
 def test_grader_passes_the_solution(fresh_cache):
-    from ddp_course.graders.g04 import grade
+    from ddp_course.course.l04_ddp.grader import grade
 
     verdict = grade(SOLUTION, timeout=180)
     assert verdict.ok, verdict.message
@@ -244,7 +244,7 @@ def _broken(tmp_path: Path, old: str, new: str, name: str) -> Path:
 
 @pytest.mark.timeout(300)
 def test_grader_fails_without_the_sampler_and_says_why(fresh_cache, tmp_path):
-    from ddp_course.graders.g04 import grade
+    from ddp_course.course.l04_ddp.grader import grade
 
     path = _broken(tmp_path,
                    "    sampler = DistributedSampler(ds, num_replicas=world_size, rank=rank, shuffle=True, seed=SEED, "
@@ -272,7 +272,7 @@ def test_learner_copy_is_the_solution_with_todos():
 
 SPAWN_SCRIPT = textwrap.dedent("""
     import json, sys
-    from ddp_course.labs import spawn_demo
+    from ddp_course.course.l04_ddp import spawn_demo
 
     def hello(rank):  # lives in __main__ of `python -c`: no file a child could import
         print("hello", rank)

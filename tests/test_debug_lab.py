@@ -15,7 +15,7 @@ import notebook_runs
 import pytest
 import torch
 
-from ddp_course.labs import broken
+from ddp_course.course.l11_debugging_lab import broken
 
 PG_TIMEOUT = broken.PG_TIMEOUT_S
 

@@ -15,8 +15,8 @@ import torch
 import torch.nn as nn
 from conftest import ROOT, TINY
 
-from ddp_course import dp_mechanism as dpm
 from ddp_course.config import TrainConfig, available_strategies
+from ddp_course.course.l03_data_parallel import dp_mechanism as dpm
 from ddp_course.dist import DeviceError, DistInfo
 from ddp_course.model import MiniGPT
 from ddp_course.parallel import dp
@@ -100,7 +100,7 @@ def test_dp_step_equals_single_device_step(one_thread):
     comp = dpm.compare_with_single(n_replicas=3, batch=8, steps=3)
     assert comp.chunk_shapes == [(3, 32), (3, 32), (2, 32)]
     assert comp.ok, comp.summary()
-    # tolerances are justified in ddp_course/dp_mechanism.py (GRAD_RTOL, LOSS_RTOL, PARAM_RTOL)
+    # tolerances are justified in ddp_course/course/l03_data_parallel/dp_mechanism.py (GRAD_RTOL, LOSS_RTOL, PARAM_RTOL)
     assert max(comp.grad_err) <= dpm.GRAD_RTOL and max(comp.param_err) <= dpm.PARAM_RTOL
     assert comp.loss_err <= dpm.LOSS_RTOL
     assert comp.losses_dp[-1] != comp.losses_dp[0]  # the weights did move between the steps
@@ -207,13 +207,13 @@ def test_train_with_strategy_dp_refuses_through_the_launcher(tmp_path):
 
 @without_2_gpus
 def test_benchmark_skips_with_a_reason_and_exits_0(tmp_path, capsys):
-    from ddp_course.benchmarks import dp_vs_ddp
+    from ddp_course.course.l03_data_parallel import bench_dp_vs_ddp
 
-    assert dp_vs_ddp.main([f"--out={tmp_path}"]) == 0
-    result = json.loads((tmp_path / "dp_vs_ddp.json").read_text())
+    assert bench_dp_vs_ddp.main([f"--out={tmp_path}"]) == 0
+    result = json.loads((tmp_path / "bench_dp_vs_ddp.json").read_text())
     assert result["skipped"] is True and "needs at least 2 CUDA GPUs" in result["reason"]
     assert "skipped" in capsys.readouterr().out
-    assert dp_vs_ddp.main(["--stepz=3"]) == 2  # unknown options are refused, with a suggestion
+    assert bench_dp_vs_ddp.main(["--stepz=3"]) == 2  # unknown options are refused, with a suggestion
     assert "--steps" in capsys.readouterr().err
 
 
@@ -221,7 +221,7 @@ def test_gpu_memory_lab_writes_its_file(tmp_path):
     import subprocess
 
     flags = [f"--{k}={v}" for k, v in {**TINY, "max_steps": 2, "out_dir": tmp_path, "device": "cpu"}.items()]
-    proc = subprocess.run([sys.executable, "-m", "ddp_course.labs.train_gpu_memory", *flags], cwd=ROOT,
+    proc = subprocess.run([sys.executable, "-m", "ddp_course.course.l03_data_parallel.train_gpu_memory", *flags], cwd=ROOT,
                           capture_output=True, text=True, timeout=90)
     assert proc.returncode == 0, proc.stderr
     mem = json.loads((tmp_path / "gpu_memory_rank0.json").read_text())
@@ -258,9 +258,9 @@ def test_mechanism_on_real_gpus_equals_single_device():
 
 @needs_2_gpus
 def test_benchmark_runs_and_device_0_carries_more(tmp_path):
-    from ddp_course.benchmarks import dp_vs_ddp
+    from ddp_course.course.l03_data_parallel import bench_dp_vs_ddp
 
-    res = dp_vs_ddp.run(out=tmp_path, steps=12, log_interval=4, batch=4 * N_GPUS, n_layer=2, n_head=4, n_embd=128,
+    res = bench_dp_vs_ddp.run(out=tmp_path, steps=12, log_interval=4, batch=4 * N_GPUS, n_layer=2, n_head=4, n_embd=128,
                         block_size=64, timeout_s=300.0, echo="none")
     assert res["skipped"] is False
     assert res["runs"]["dp"]["tokens_per_s"] > 0 and res["runs"]["ddp"]["tokens_per_s"] > 0

@@ -1,7 +1,7 @@
 """Lesson 09 (FSDP): FSDP2 and FSDP1 against DDP on 2 and 4 ranks, shard sizes, the memory calculator
 against measurement, checkpoints across strategies, the refused FSDP1 hybrid case, exercise 09.
 
-Two launches of ``ddp_course.labs.fsdp_lab`` (2 and 4 ranks) feed most tests; one resumes
+Two launches of ``ddp_course.course.l09_fsdp.fsdp_lab`` (2 and 4 ranks) feed most tests; one resumes
 ``ddp_course.train --strategy=fsdp`` from a one-process checkpoint. Every launch has a timeout.
 """
 
@@ -16,8 +16,9 @@ import notebook_runs
 import pytest
 import torch
 
-from ddp_course import checkpoint, memory
+from ddp_course import checkpoint
 from ddp_course.config import ConfigError, TrainConfig
+from ddp_course.course.l09_fsdp import memory
 from ddp_course.dist import DistInfo
 from ddp_course.launch import run
 
@@ -53,9 +54,9 @@ def lab4(tmp_path_factory):
 
 
 def _lab(tmp_path_factory, nproc: int, notebook_dir: str, flags: dict) -> dict:
-    job = notebook_runs.reuse(notebook_dir, "ddp_course.labs.fsdp_lab", nproc, **flags)
+    job = notebook_runs.reuse(notebook_dir, "ddp_course.course.l09_fsdp.fsdp_lab", nproc, **flags)
     if job is None:
-        job = run("ddp_course.labs.fsdp_lab", nproc=nproc, out_dir=tmp_path_factory.mktemp(f"fsdp_lab{nproc}"),
+        job = run("ddp_course.course.l09_fsdp.fsdp_lab", nproc=nproc, out_dir=tmp_path_factory.mktemp(f"fsdp_lab{nproc}"),
                   timeout=300, progress=False, echo="none", **flags)
     return json.loads((job.out_dir / "fsdp_lab.json").read_text())
 
@@ -232,19 +233,19 @@ def test_the_refused_fsdp1_hybrid_really_does_not_synchronise(lab2):
 
 @pytest.mark.timeout(240)
 def test_grader_passes_the_solution_and_explains_wrong_sharding():
-    from ddp_course.graders import g09
+    from ddp_course.course.l09_fsdp import grader
 
     path = ROOT / "solutions" / "exercises" / "09_fsdp.py"
-    found = g09.collect(path, timeout=180)  # what grade() runs: the script on 2 ranks
+    found = grader.collect(path, timeout=180)  # what grade() runs: the script on 2 ranks
     assert isinstance(found, list), found
-    constants = g09.harness_constants(path)
-    reference = g09.reference_norms(constants)
-    verdict = g09.diagnose(found, reference, constants["LR"])
+    constants = grader.harness_constants(path)
+    reference = grader.reference_norms(constants)
+    verdict = grader.diagnose(found, reference, constants["LR"])
     assert verdict.ok, verdict.message
     # the diagnosis on the solution's own report, altered the way typical mistakes alter it
     only_root = [{**f, "units": {"root": True, "blocks": [False, False]}} for f in found]
-    v = g09.diagnose(only_root, reference, constants["LR"])
+    v = grader.diagnose(only_root, reference, constants["LR"])
     assert not v.ok and "before the root" in v.message
     no_root = [{**f, "plain_params": ["tok_emb.weight", "pos_emb.weight"]} for f in found]
-    v = g09.diagnose(no_root, reference, constants["LR"])
+    v = grader.diagnose(no_root, reference, constants["LR"])
     assert not v.ok and "fully_shard(model, mesh=mesh) after the blocks" in v.message

@@ -24,9 +24,9 @@ from conftest import ROOT, TINY, torchrun
 
 from ddp_course import dist as ddp_dist
 from ddp_course.config import to_cli
+from ddp_course.course.l05_inside_ddp.ddp_common import overlap_stats, read_trace
+from ddp_course.course.l10_scaling import two_nodes
 from ddp_course.dist import SHARED_GPU_VAR, DeviceError, choose_device, choose_study_device
-from ddp_course.labs import two_nodes
-from ddp_course.labs.ddp_common import overlap_stats, read_trace
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -186,7 +186,7 @@ def test_ddp_training_with_cuda_tensors_on_two_ranks_sharing_a_gpu(tmp_path):
 @needs_cuda
 def test_dp_vs_ddp_as_far_as_one_gpu_allows(tmp_path):
     # The DDP half of the benchmark: 2 ranks on the one GPU, each recording that GPU's peak memory.
-    torchrun("ddp_course.labs.train_gpu_memory", 2,
+    torchrun("ddp_course.course.l03_data_parallel.train_gpu_memory", 2,
              to_cli({**TINY, "max_steps": 6, "strategy": "ddp", "out_dir": str(tmp_path / "ddp")}),
              env=_one_gpu_shared(), timeout=240)
     records = [json.loads(p.read_text()) for p in sorted((tmp_path / "ddp").glob("gpu_memory_rank*.json"))]
@@ -194,7 +194,7 @@ def test_dp_vs_ddp_as_far_as_one_gpu_allows(tmp_path):
     assert all(r["gpus"]["0"]["peak_allocated_bytes"] > 0 for r in records)
     # The DP half needs two GPUs: with one, the benchmark says so and records the skip.
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": _one_gpu_shared()["CUDA_VISIBLE_DEVICES"]}
-    subprocess.run([sys.executable, "-m", "ddp_course.benchmarks.dp_vs_ddp", f"--out={tmp_path}"], cwd=ROOT,
+    subprocess.run([sys.executable, "-m", "ddp_course.course.l03_data_parallel.bench_dp_vs_ddp", f"--out={tmp_path}"], cwd=ROOT,
                    env=env, check=True, timeout=120, capture_output=True)
     res = json.loads((tmp_path / "dp_vs_ddp.json").read_text())
     assert res["skipped"] and "one CUDA GPU" in res["reason"]
@@ -204,7 +204,7 @@ def test_dp_vs_ddp_as_far_as_one_gpu_allows(tmp_path):
 @pytest.mark.timeout(300)
 @needs_cuda
 def test_no_sync_lab_with_cuda_tensors(tmp_path):
-    torchrun("ddp_course.labs.no_sync_lab", 2, [f"--out_dir={tmp_path}", "--variants=no_sync,backward_only"],
+    torchrun("ddp_course.course.l06_grad_accumulation.no_sync_lab", 2, [f"--out_dir={tmp_path}", "--variants=no_sync,backward_only"],
              env=_one_gpu_shared(), timeout=240)
     res = json.loads((tmp_path / "no_sync_lab.json").read_text())
     assert res["device"] == "cuda" and res["backend"] == "gloo"
@@ -216,7 +216,7 @@ def test_no_sync_lab_with_cuda_tensors(tmp_path):
 @pytest.mark.timeout(300)
 @needs_cuda
 def test_profile_lab_reads_a_cuda_trace(tmp_path):
-    torchrun("ddp_course.labs.ddp_profile", 2,
+    torchrun("ddp_course.course.l05_inside_ddp.ddp_profile", 2,
              [f"--out_dir={tmp_path}", "--bucket_cap_mb=0.01", "--n_layer=2", "--n_head=2", "--n_embd=32",
               "--block_size=16", "--micro_batch_size=4", "--trace_steps=1", "--steps=2", "--rounds=1", "--warmup=2"],
              env=_one_gpu_shared(), timeout=240)
@@ -236,13 +236,13 @@ def test_profile_lab_reads_a_cuda_trace(tmp_path):
 def test_kill_lab_on_the_gpu_leaves_a_checkpoint_that_loads_on_the_cpu(tmp_path):
     from ddp_course import checkpoint
     from ddp_course.config import TrainConfig
+    from ddp_course.course.l08_checkpointing.ckpt_kill import SHAPE
     from ddp_course.dist import DistInfo
-    from ddp_course.labs.ckpt_kill import SHAPE
     from ddp_course.model import GPTConfig, MiniGPT
     from ddp_course.train import build_optimizer
 
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
-    proc = subprocess.run([sys.executable, "-m", "ddp_course.labs.ckpt_kill", "--device=cuda", f"--out_dir={tmp_path}"],
+    proc = subprocess.run([sys.executable, "-m", "ddp_course.course.l08_checkpointing.ckpt_kill", "--device=cuda", f"--out_dir={tmp_path}"],
                           cwd=ROOT, env=env, timeout=120, capture_output=True, text=True)
     assert proc.returncode == -9, proc.stdout + proc.stderr
     report = json.loads((tmp_path / "ckpt_kill.json").read_text())

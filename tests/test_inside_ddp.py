@@ -26,8 +26,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from conftest import torchrun
 
+from ddp_course.course.l05_inside_ddp import ddp_common
 from ddp_course.dist import DistInfo, clean_exit
-from ddp_course.labs import ddp_common
 from ddp_course.model import GPTConfig, MiniGPT
 from ddp_course.parallel import ddp as ddp_strategy
 
@@ -189,7 +189,7 @@ LAB_TIMEOUT_S = 2.0
 @pytest.fixture(scope="module")
 def internals(tmp_path_factory):
     out = tmp_path_factory.mktemp("internals")
-    torchrun("ddp_course.labs.ddp_internals", 2,
+    torchrun("ddp_course.course.l05_inside_ddp.ddp_internals", 2,
              [f"--out_dir={out}", "--parts=buckets,gradhook,buffers,unused,static,join", "--bucket_caps=25,0.01",
               "--cost_steps=2", "--cost_rounds=1", f"--pg_timeout_s={LAB_TIMEOUT_S}", *LAB_MODEL], timeout=150)
     return json.loads((out / "internals.json").read_text())
@@ -266,7 +266,7 @@ TINY_PROFILE = ["--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=16", "
 
 
 def test_profile_trace_shows_overlap(tmp_path):
-    torchrun("ddp_course.labs.ddp_profile", 2, [f"--out_dir={tmp_path}", "--bucket_cap_mb=0.01", *TINY_PROFILE],
+    torchrun("ddp_course.course.l05_inside_ddp.ddp_profile", 2, [f"--out_dir={tmp_path}", "--bucket_cap_mb=0.01", *TINY_PROFILE],
              timeout=150)
     res = json.loads((tmp_path / "profile.json").read_text())
     for v in ("overlap", "one_bucket", "by_hand"):
@@ -283,13 +283,13 @@ def test_profile_trace_shows_overlap(tmp_path):
 
 
 def test_bucket_benchmark_tiny(tmp_path):
-    from ddp_course.benchmarks import buckets
+    from ddp_course.course.l05_inside_ddp import bench_buckets
 
-    res = buckets.run_bench(caps="0.01,25", n_layer=2, n_head=2, n_embd=32, block_size=16, micro_batch_size=4,
+    res = bench_buckets.run_bench(caps="0.01,25", n_layer=2, n_head=2, n_embd=32, block_size=16, micro_batch_size=4,
                             steps=1, rounds=1, warmup=2, timeout_s=150, out=tmp_path)
-    on_disk = json.loads((tmp_path / "buckets.json").read_text())
+    on_disk = json.loads((tmp_path / "bench_buckets.json").read_text())
     assert on_disk["rows"] == res["rows"]
     counts = {r["bucket_cap_mb"]: r["allreduces_per_step"] for r in on_disk["rows"]}
     assert counts[25.0] == 1 and counts[0.01] > 1
     assert all(r["median_ms"] > 0 for r in on_disk["rows"])
-    assert buckets.main(["--caps=0,1"]) == 2  # refused before anything starts
+    assert bench_buckets.main(["--caps=0,1"]) == 2  # refused before anything starts

@@ -25,7 +25,7 @@ SOLUTION_RE = re.compile(r"    # BEGIN SOLUTION.*?# END SOLUTION\n", re.S)
 @pytest.mark.timeout(150)
 def test_lab_counts_all_reduces_and_compares_gradients_with_one_big_batch(tmp_path):
     # small buckets: several all-reduces per backward, so "1 vs K" is checked per bucket, not only per step
-    run("ddp_course.labs.no_sync_lab", nproc=2, out_dir=tmp_path, timeout=120, progress=False, echo="none",
+    run("ddp_course.course.l06_grad_accumulation.no_sync_lab", nproc=2, out_dir=tmp_path, timeout=120, progress=False, echo="none",
         k=4, n_micro=10, bucket_cap_mb=0.1)
     res = json.loads((tmp_path / "no_sync_lab.json").read_text())
     assert res["world_size"] == 2 and res["steps"] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
@@ -59,14 +59,14 @@ def test_lab_counts_all_reduces_and_compares_gradients_with_one_big_batch(tmp_pa
 
 @pytest.mark.timeout(60)
 def test_lab_refuses_unknown_options(tmp_path):
-    r = run("ddp_course.labs.no_sync_lab", nproc=1, out_dir=tmp_path, timeout=50, progress=False, echo="none",
+    r = run("ddp_course.course.l06_grad_accumulation.no_sync_lab", nproc=1, out_dir=tmp_path, timeout=50, progress=False, echo="none",
             use_torchrun=False, check=False, bogus=3)
     assert r.returncode != 0
     assert "unknown option --bogus" in r.output
 
 
 def test_chunks_puts_the_leftover_in_a_last_shorter_step():
-    from ddp_course.labs.no_sync_lab import chunks
+    from ddp_course.course.l06_grad_accumulation.no_sync_lab import chunks
 
     assert chunks(10, 4) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
     assert chunks(8, 4) == [[0, 1, 2, 3], [4, 5, 6, 7]]
@@ -79,11 +79,11 @@ def test_chunks_puts_the_leftover_in_a_last_shorter_step():
 
 @pytest.mark.timeout(150)
 def test_bench_times_both_modes_and_checks_the_counts(tmp_path):
-    from ddp_course.benchmarks import no_sync
+    from ddp_course.course.l06_grad_accumulation import bench_no_sync
 
-    res = no_sync.bench(ks="1,4", world_sizes="2", rounds=1, steps=1, warmup=0, n_layer=1, n_embd=32, n_head=2,
+    res = bench_no_sync.bench(ks="1,4", world_sizes="2", rounds=1, steps=1, warmup=0, n_layer=1, n_embd=32, n_head=2,
                         micro_batch_size=2, timeout_s=120, out=tmp_path)
-    on_disk = json.loads((tmp_path / "no_sync.json").read_text())
+    on_disk = json.loads((tmp_path / "bench_no_sync.json").read_text())
     assert on_disk["jobs"][0]["rows"] == res["jobs"][0]["rows"]
     (job,) = on_disk["jobs"]
     assert job["world_size"] == 2 and job["backend"] == "gloo"
@@ -100,15 +100,15 @@ def test_bench_times_both_modes_and_checks_the_counts(tmp_path):
 
 
 def test_bench_refuses_bad_options(capsys):
-    from ddp_course.benchmarks import no_sync
+    from ddp_course.course.l06_grad_accumulation import bench_no_sync
 
-    with pytest.raises(no_sync.BenchError, match="unknown option --rondus"):
-        no_sync.parse_options(["--rondus=3"])
-    with pytest.raises(no_sync.BenchError, match="comma-separated integers"):
-        no_sync.parse_options(["--ks=1,two"])
-    with pytest.raises(no_sync.BenchError, match="at least 1"):
-        no_sync.parse_options(["--world_sizes=0,2"])
-    assert no_sync.main(["--steps=0"]) == 1
+    with pytest.raises(bench_no_sync.BenchError, match="unknown option --rondus"):
+        bench_no_sync.parse_options(["--rondus=3"])
+    with pytest.raises(bench_no_sync.BenchError, match="comma-separated integers"):
+        bench_no_sync.parse_options(["--ks=1,two"])
+    with pytest.raises(bench_no_sync.BenchError, match="at least 1"):
+        bench_no_sync.parse_options(["--world_sizes=0,2"])
+    assert bench_no_sync.main(["--steps=0"]) == 1
     assert "error: --steps must be at least 1" in capsys.readouterr().err
 
 
@@ -159,7 +159,7 @@ def test_grader_detects_no_sync_around_backward_only_and_says_why(tmp_path):
     ([3], False, "with use_no_sync=False every micro-step should all-reduce"),
 ])
 def test_grader_names_each_all_reduce_pattern(synced, use_no_sync, phrase):
-    from ddp_course.graders.g06 import _count_problem
+    from ddp_course.course.l06_grad_accumulation.grader import _count_problem
 
     case = {"name": "K=4", "micro_batches": 4, "use_no_sync": use_no_sync, "synced_micro_steps": synced,
             "bucket_all_reduces": len(synced), "forwards": 4}
@@ -204,7 +204,7 @@ def test_uneven_global_batch_is_refused_with_the_arithmetic_before_any_process_s
     (0, 4, 1.0, None),
 ])
 def test_grader_names_each_gradient_scale_mistake(index, k, ratio, phrase):
-    from ddp_course.graders.g06 import _grad_problem
+    from ddp_course.course.l06_grad_accumulation.grader import _grad_problem
 
     ref = {"w": 2.0, "b": 1.0}
     exact = phrase is None
@@ -219,9 +219,9 @@ def test_grader_names_each_gradient_scale_mistake(index, k, ratio, phrase):
 @pytest.mark.timeout(300)
 @pytest.mark.skipif(__import__("torch").cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 def test_bench_on_two_gpus_with_nccl(tmp_path):
-    from ddp_course.benchmarks import no_sync
+    from ddp_course.course.l06_grad_accumulation import bench_no_sync
 
-    res = no_sync.bench(ks="1,4", world_sizes="1,2", device="cuda", rounds=2, steps=2, timeout_s=240, out=tmp_path)
+    res = bench_no_sync.bench(ks="1,4", world_sizes="1,2", device="cuda", rounds=2, steps=2, timeout_s=240, out=tmp_path)
     assert [j["backend"] for j in res["jobs"]] == ["nccl", "nccl"]
     for job in res["jobs"]:
         assert job["counts"]["4/sync"]["bucket_all_reduces"] == 4 * job["n_buckets"]

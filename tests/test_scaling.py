@@ -18,16 +18,15 @@ import sys
 import pytest
 from conftest import ROOT, TINY
 
-from ddp_course import multinode
-from ddp_course.benchmarks import dataloader, scaling
+from ddp_course.course.l10_scaling import bench_dataloader, bench_scaling, multinode
 
 TINY_MODEL = {k: TINY[k] for k in ("n_layer", "n_head", "n_embd", "block_size")}
 
 
 def test_scaling_bench_one_and_two_processes(tmp_path):
-    res = scaling.bench(nprocs="1,2", steps=6, log_interval=2, phase_steps=3, micro_batch_size=4, global_batch=4,
+    res = bench_scaling.bench(nprocs="1,2", steps=6, log_interval=2, phase_steps=3, micro_batch_size=4, global_batch=4,
                         timeout_s=120, out=tmp_path, **TINY_MODEL)
-    on_disk = json.loads((tmp_path / "scaling.json").read_text())
+    on_disk = json.loads((tmp_path / "bench_scaling.json").read_text())
     assert on_disk["weak"] == res["weak"]
     for kind in ("weak", "strong"):
         rows = on_disk[kind]
@@ -41,25 +40,25 @@ def test_scaling_bench_one_and_two_processes(tmp_path):
     # order (~1e-7 per step); a rank training on the wrong data would differ by 1e-2 or more.
     assert on_disk["strong_final_loss_gap"] < 1e-4
     one, two = on_disk["phases"]
-    for key in scaling.PHASES:
+    for key in bench_scaling.PHASES:
         assert one[key] >= 0 and two[key] >= 0, key
     assert one["comm_wait"] == 0.0 and one["allreduce_full_gradient"] == 0.0  # one process: no communication
     assert two["allreduce_full_gradient"] > 0 and "ddp_avg_backward_comm_time" in two
 
 
 def test_scaling_bench_refuses_bad_options():
-    with pytest.raises(scaling.BenchError, match="must include 1"):
-        scaling.parse_options(["--nprocs=2,4"])
-    with pytest.raises(scaling.BenchError, match="does not split evenly"):
-        scaling.parse_options(["--nprocs=1,2,4", "--global_batch=6"])
-    with pytest.raises(scaling.BenchError, match="unknown option"):
-        scaling.parse_options(["--nproc=2"])
+    with pytest.raises(bench_scaling.BenchError, match="must include 1"):
+        bench_scaling.parse_options(["--nprocs=2,4"])
+    with pytest.raises(bench_scaling.BenchError, match="does not split evenly"):
+        bench_scaling.parse_options(["--nprocs=1,2,4", "--global_batch=6"])
+    with pytest.raises(bench_scaling.BenchError, match="unknown option"):
+        bench_scaling.parse_options(["--nproc=2"])
 
 
 def test_dataloader_bench(tmp_path, one_thread):
-    res = dataloader.bench(batches=2, rounds=1, repeats=2, workers="0,1", prefetch="2,3", epochs=2, epoch_batches=2,
+    res = bench_dataloader.bench(batches=2, rounds=1, repeats=2, workers="0,1", prefetch="2,3", epochs=2, epoch_batches=2,
                            consumer="none", out=tmp_path)
-    on_disk = json.loads((tmp_path / "dataloader.json").read_text())
+    on_disk = json.loads((tmp_path / "bench_dataloader.json").read_text())
     assert [r["label"] for r in on_disk["rows"]] == ["num_workers=0", "num_workers=1", "num_workers=1, prefetch_factor=3"]
     for r in on_disk["rows"]:
         assert r["per_batch_s"] > 0 and math.isfinite(r["speedup_vs_0_workers"])
@@ -74,7 +73,7 @@ def test_dataset_tokenizes_like_the_course():
 
     text = "To be, or not to be, that is the question. " * 20
     tok = CharTokenizer.from_text(text)
-    ds = dataloader.TokenizeOnRead(text, tok.stoi, block_size=8, repeats=3)
+    ds = bench_dataloader.TokenizeOnRead(text, tok.stoi, block_size=8, repeats=3)
     x, y = ds[2]
     assert tok.decode(x) == text[16:24] and tok.decode(y) == text[17:25]
 
@@ -112,7 +111,7 @@ def test_torchrun_parser_refuses_a_broken_line():
 
 def test_two_agents_c10d_rendezvous_train_minigpt(tmp_path):
     from ddp_course.config import to_cli
-    from ddp_course.labs.two_nodes import run_two_nodes
+    from ddp_course.course.l10_scaling.two_nodes import run_two_nodes
     from ddp_course.launch import run
     from ddp_course.metrics import read_jsonl
 

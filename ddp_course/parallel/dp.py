@@ -11,7 +11,7 @@ A run is one process, so it is launched without torchrun::
 
 It needs at least two CUDA GPUs: without CUDA, ``nn.DataParallel`` simply calls the module (no
 scatter, no replicas), and with one GPU it does the same on that GPU, so this strategy refuses rather
-than pretend. Lesson 03 shows the mechanism step by step on CPU tensors (``ddp_course.dp_mechanism``).
+than pretend. Lesson 03 shows the mechanism step by step on CPU tensors (``ddp_course.course.l03_data_parallel.dp_mechanism``).
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ def refusal(n_gpus: int) -> str:
             "CUDA devices: on a machine without them it keeps device_ids empty and simply calls the wrapped "
             "module -- no scatter, no replicas, no gradient reduction -- and with a single GPU it does the "
             "same on that GPU. Rather than pretend to run data parallelism, the course stops here. The "
-            f"lesson's CPU walk-through ({LESSON}, functions in ddp_course.dp_mechanism) shows every step of "
+            f"lesson's CPU walk-through ({LESSON}, functions in ddp_course.course.l03_data_parallel.dp_mechanism) shows every step of "
             "the mechanism by hand on CPU tensors; to train with several processes on this machine, use "
             "--strategy=ddp with torchrun (lesson 04).")
 

@@ -27,7 +27,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddp_course.dist import log, setup
-from ddp_course.labs import no_sync_lab as lab
+from ddp_course.course.l06_grad_accumulation import no_sync_lab as lab
 
 MICRO_BATCH_SIZE, BLOCK_SIZE, SEED = 4, 32, 0
 # (name, micro-batch indices of this optimizer step, use_no_sync): K = 4 twice, then a leftover of 3
@@ -77,7 +77,7 @@ def main() -> None:
             norms = {n: (p.grad.norm().item() if p.grad is not None else 0.0) for n, p in model.named_parameters()}
             ddp.zero_grad(set_to_none=True)
             want = [len(indices) - 1] if use_no_sync else list(range(len(indices)))
-            # 1e-5: the same mean summed in another order differs by ~1e-7 (see ddp_course.labs.no_sync_lab)
+            # 1e-5: the same mean summed in another order differs by ~1e-7 (see ddp_course.course.l06_grad_accumulation.no_sync_lab)
             case_ok = got["rel_err"] <= 1e-5 and counter.synced_micro_steps == want
             ok = ok and case_ok
             log(f"{name}: all-reducing micro-steps {counter.synced_micro_steps} (expected {want}), gradient vs one "

@@ -1,0 +1,204 @@
+"""DataParallel against DistributedDataParallel on the same GPUs: throughput and per-GPU peak memory.
+
+    python -m ddp_course.course.l03_data_parallel.bench_dp_vs_ddp
+    python -m ddp_course.course.l03_data_parallel.bench_dp_vs_ddp --steps=100 --n_layer=8 --gpus=2 --out=/tmp/bench
+
+Needs two or more CUDA GPUs. It trains the same MiniGPT twice with ``ddp_course.train`` (through
+``ddp_course.course.l03_data_parallel.train_gpu_memory``, which also records every GPU's peak memory), with the same
+global batch, seed and number of steps:
+
+- ``--strategy=dp``: ONE process (no torchrun) that drives all N GPUs with nn.DataParallel;
+- ``--strategy=ddp``: torchrun with N processes, one GPU each, batch / N sequences per process.
+
+It prints a table (tokens/s, peak memory of each GPU, final loss) and writes
+``<out>/dp_vs_ddp.json``. On a machine with fewer than two CUDA GPUs it prints why it is skipped,
+writes the JSON with ``"skipped": true`` and the reason, and exits 0.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ddp_course.paths import show
+
+NAME = "dp_vs_ddp"
+LAB = "ddp_course.course.l03_data_parallel.train_gpu_memory"
+OPTIONS: dict[str, tuple[Any, str]] = {
+    "steps": (60, "optimizer steps of each run"),
+    "log_interval": (10, "steps per metrics row; the first interval (warm-up) is left out of tokens/s"),
+    "batch": (64, "sequences per optimizer step in both runs (DDP: batch / gpus per process)"),
+    "gpus": (0, "GPUs to use (0 = every visible one)"),
+    "n_layer": (6, "transformer blocks"),
+    "n_head": (6, "attention heads"),
+    "n_embd": (384, "model width"),
+    "block_size": (256, "tokens per sequence"),
+    "precision": ("fp32", "fp32 | bf16 | fp16"),
+    "corpus": ("tinyshakespeare", "tinyshakespeare | offline | a path"),
+    "timeout_s": (600.0, "wall-clock limit of each run (the job is stopped after it)"),
+    "out": ("bench_results", "directory for dp_vs_ddp.json and the two run folders"),
+}
+
+
+class BenchError(RuntimeError):
+    """The benchmark cannot run as asked. The message says why and what to change."""
+
+
+def parse(argv: list[str]) -> dict[str, Any]:
+    """``--key=value`` overrides of the defaults, each converted to its default's type; unknown keys refused."""
+    opts = {k: v for k, (v, _) in OPTIONS.items()}
+    for arg in argv:
+        if arg in ("-h", "--help"):
+            raise SystemExit(usage())
+        if not arg.startswith("--") or "=" not in arg:
+            raise BenchError(f"unexpected argument {arg!r}: options are written --key=value "
+                             f"(see `python -m ddp_course.benchmarks.{NAME} --help`).")
+        key, value = arg[2:].split("=", 1)
+        key = key.replace("-", "_")
+        if key not in opts:
+            close = difflib.get_close_matches(key, list(opts), n=3)
+            hint = f" Did you mean {', '.join('--' + c for c in close)}?" if close else ""
+            raise BenchError(f"unknown option --{key}.{hint} Valid options: {', '.join('--' + k for k in opts)}.")
+        try:
+            opts[key] = type(opts[key])(value)
+        except ValueError:
+            raise BenchError(f"--{key} expects {type(opts[key]).__name__} (got {value!r}).") from None
+    return opts
+
+
+def usage() -> str:
+    lines = [f"usage: python -m ddp_course.benchmarks.{NAME} [--key=value ...]", "", __doc__.strip(), "", "options:"]
+    lines += [f"  --{k}={v!s:<18} {h}" for k, (v, h) in OPTIONS.items()]
+    return "\n".join(lines)
+
+
+def skip_reason(gpus_wanted: int = 0) -> str | None:
+    """Why this machine cannot run the comparison, or None when it can."""
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if n < 2:
+        seen = "no CUDA GPU" if n == 0 else "one CUDA GPU"
+        return (f"DP vs DDP needs at least 2 CUDA GPUs and PyTorch sees {seen} on this machine "
+                f"(torch {torch.__version__}, CUDA build: {torch.version.cuda or 'no'}). nn.DataParallel does "
+                "nothing without CUDA devices, so there is nothing real to measure here; lesson 03 shows the "
+                "mechanism by hand on CPU tensors instead.")
+    if gpus_wanted == 1 or gpus_wanted > n:
+        return f"--gpus={gpus_wanted} but the comparison needs 2..{n} GPUs on this machine."
+    return None
+
+
+def _check(opts: dict[str, Any], n: int) -> None:
+    for key in ("steps", "log_interval", "batch", "n_layer", "n_head", "n_embd", "block_size"):
+        if opts[key] < 1:
+            raise BenchError(f"--{key} must be at least 1 (got {opts[key]}).")
+    if opts["batch"] % n:
+        raise BenchError(f"--batch={opts['batch']} must divide evenly over {n} GPUs (DDP gives each process "
+                         f"batch / {n}); try --batch={max(n, opts['batch'] // n * n)}.")
+    if opts["steps"] <= opts["log_interval"]:
+        raise BenchError(f"--steps={opts['steps']} must exceed --log_interval={opts['log_interval']}: the first "
+                         "interval is warm-up and is not counted in tokens/s.")
+
+
+def _memory(out_dir: Path) -> dict[int, int]:
+    """GPU index -> peak bytes allocated, from every process's gpu_memory_rank<R>.json."""
+    peaks: dict[int, int] = {}
+    for path in sorted(out_dir.glob("gpu_memory_rank*.json")):
+        for gpu, m in json.loads(path.read_text(encoding="utf-8"))["gpus"].items():
+            peaks[int(gpu)] = max(peaks.get(int(gpu), 0), int(m["peak_allocated_bytes"]))
+    return dict(sorted(peaks.items()))
+
+
+def run(echo: str = "rank0", **overrides: Any) -> dict[str, Any]:
+    """Run the comparison (or record the skip) and return the result written to ``<out>/dp_vs_ddp.json``."""
+    from ddp_course import launch
+    from ddp_course.metrics import environment, write_json
+
+    opts = parse([f"--{k}={v}" for k, v in overrides.items()])
+    out = Path(opts["out"])
+    reason = skip_reason(opts["gpus"])
+    if reason is not None:
+        print(f"[{NAME}] skipped: {reason}", flush=True)
+        result = {"bench": NAME, "skipped": True, "reason": reason, "cuda_available": torch.cuda.is_available(),
+                  "gpus_visible": torch.cuda.device_count() if torch.cuda.is_available() else 0,
+                  "options": opts, "environment": environment()}
+        write_json(out / f"{NAME}.json", result)
+        print(f"[{NAME}] wrote {show(out / f'{NAME}.json')}", flush=True)
+        return result
+
+    visible = torch.cuda.device_count()
+    n = opts["gpus"] or visible
+    _check(opts, n)
+    env = None
+    if n < visible:  # only the first n GPUs, for both runs
+        ids = os.environ.get("CUDA_VISIBLE_DEVICES", ",".join(str(i) for i in range(visible))).split(",")
+        env = {"CUDA_VISIBLE_DEVICES": ",".join(ids[:n])}
+    common = {k: opts[k] for k in ("n_layer", "n_head", "n_embd", "block_size", "precision", "corpus",
+                                   "log_interval")}
+    common |= {"max_steps": opts["steps"], "device": "cuda", "eval_interval": 0, "eval_batches": 1}
+    base = out / NAME
+    print(f"[{NAME}] {n} x {torch.cuda.get_device_name(0)}; MiniGPT {opts['n_layer']} layers x {opts['n_embd']}, "
+          f"{opts['block_size']} tokens x {opts['batch']} sequences per step, {opts['precision']}, "
+          f"{opts['steps']} steps", flush=True)
+    runs = {}
+    for kind, nproc, micro in (("dp", 1, opts["batch"]), ("ddp", n, opts["batch"] // n)):
+        for stale in (base / kind).glob("gpu_memory_rank*.json"):  # a re-run must not mix in old ranks
+            stale.unlink()
+        r = launch.run(LAB, nproc=nproc, out_dir=base / kind, timeout=opts["timeout_s"], echo=echo,
+                       use_torchrun=kind == "ddp", env=env, strategy=kind, micro_batch_size=micro, **common)
+        s = r.summary
+        if s is None:
+            raise BenchError(f"the {kind} run finished but wrote no summary.json in {r.out_dir}")
+        mem = _memory(r.out_dir)
+        if sorted(mem) != list(range(n)):
+            raise BenchError(f"the {kind} run recorded memory for GPUs {sorted(mem)}, expected 0..{n - 1}")
+        runs[kind] = {"processes": nproc, "micro_batch_size": micro, "tokens_per_s": float(s["tokens_per_s"]),
+                      "final_loss": s["final_loss"], "wall_time_s": s["wall_time_s"],
+                      "peak_allocated_bytes": {str(k): v for k, v in mem.items()}, "out_dir": str(r.out_dir)}
+
+    dp, ddp = runs["dp"], runs["ddp"]
+    dp_mem = [dp["peak_allocated_bytes"][str(i)] for i in range(n)]
+    ddp_mem = [ddp["peak_allocated_bytes"][str(i)] for i in range(n)]
+    others = sum(dp_mem[1:]) / (n - 1)
+    result = {"bench": NAME, "skipped": False, "options": opts, "gpus": n, "gpu_name": torch.cuda.get_device_name(0),
+              "runs": runs, "ddp_over_dp_tokens_per_s": ddp["tokens_per_s"] / dp["tokens_per_s"],
+              "dp_gpu0_over_other_gpus_memory": dp_mem[0] / others if others else float("inf"),
+              "final_loss_diff": abs(dp["final_loss"] - ddp["final_loss"]), "environment": environment()}
+
+    mib = 2**20
+    head = f"{'strategy':<9} {'processes':>9} {'tokens/s':>12} " + " ".join(f"{'GPU' + str(i) + ' MiB':>10}" for i in range(n))
+    print("\n" + head + f" {'final loss':>10}")
+    for kind, mem in (("dp", dp_mem), ("ddp", ddp_mem)):
+        row = runs[kind]
+        print(f"{kind:<9} {row['processes']:>9} {row['tokens_per_s']:>12,.0f} "
+              + " ".join(f"{m / mib:>10,.0f}" for m in mem) + f" {row['final_loss']:>10.4f}")
+    print(f"\nDDP / DP throughput = {result['ddp_over_dp_tokens_per_s']:.2f}; under DP, GPU 0 peaks at "
+          f"{result['dp_gpu0_over_other_gpus_memory']:.2f}x the mean of the other GPUs")
+    write_json(out / f"{NAME}.json", result)
+    print(f"[{NAME}] wrote {show(out / f'{NAME}.json')}", flush=True)
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    from ddp_course.launch import LaunchError
+
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        opts = parse(argv)
+    except BenchError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        run(**opts)
+    except (BenchError, LaunchError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,139 @@
+"""Grader of exercise 04 (``lessons/exercises/04_ddp_convert.py``): a single-process script made DDP.
+
+The script runs for real with torchrun on 2 processes. The reference is the course's DDP recipe lab
+(``ddp_course.course.l04_ddp.ddp_recipe``) run as ONE process, without a process group, on the concatenated
+batch (2 x the script's per-process batch), with the script's own settings. The final parameters
+must agree within ``PARAM_ATOL``; before that, the grader looks at what each rank trained on and at
+the replicas, so that a wrong script is told *why* it is wrong.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import torch
+
+from ddp_course.check import Verdict, not_complete, results
+
+NPROC = 2
+
+# Largest |parameter difference| allowed after training. DDP averages the two ranks' gradients of
+# the same windows, the reference takes one mean over all of them: the same numbers summed in a
+# different float32 order, ~1e-7 relative per step. With SGD (momentum 0.9, lr 0.3) the exercise's
+# 18 steps were measured to end ~1e-6 apart. Every real mistake moves the weights by 1e-2 or more
+# (the same data on both ranks, a repeated epoch order, unsynchronised replicas), so 1e-4 sits two
+# orders of magnitude from both.
+PARAM_ATOL = 1e-4
+
+
+def _reference(cfg: dict, device: str, timeout: float) -> dict[str, torch.Tensor]:
+    """One process on the concatenated batch: the recipe lab with micro_batch_size x NPROC, on the
+    kind of device the script ran on (CPU kernels and GPU kernels round differently).
+
+    The result depends only on the settings, the corpus, the recipe's code and the torch version, so it
+    is kept in the course's cache (``~/.cache/ddp_course/g04``) under a hash of the four: grading
+    again, or grading a broken copy with the same settings, does not train the reference again.
+    """
+    import hashlib
+    import json
+    import os
+
+    from ddp_course.course.l04_ddp import ddp_recipe
+    from ddp_course.data import cache_dir, load_corpus
+    from ddp_course.launch import run
+
+    flags = {k: cfg[k] for k in ("steps", "lr", "seed", "train_windows", "val_windows", "block_size", "n_layer",
+                                 "n_head", "n_embd")}
+    flags["micro_batch_size"] = cfg["micro_batch_size"] * NPROC
+    flags["device"] = "cuda" if device.startswith("cuda") else "cpu"
+    corpus = load_corpus("tinyshakespeare", announce=lambda msg: None).text  # what the runs will read
+    key = hashlib.sha256(json.dumps([flags, torch.__version__, Path(ddp_recipe.__file__).read_text(),
+                                     hashlib.sha256(corpus.encode()).hexdigest()], sort_keys=True).encode())
+    key = key.hexdigest()[:16]
+    cached = cache_dir() / "g04" / f"reference-{key}.pt"
+    if not cached.is_file():
+        with tempfile.TemporaryDirectory(prefix="g04_ref_") as tmp:
+            run("ddp_course.course.l04_ddp.ddp_recipe", nproc=1, use_torchrun=False, out_dir=tmp, timeout=timeout,
+                echo="none", progress=False, variants="recipe", **flags)
+            cached.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(Path(tmp) / "recipe" / "final.pt", cached)  # whole file or nothing
+    return torch.load(cached, map_location="cpu", weights_only=True)
+
+
+def _data_problem(found: list[dict], steps_per_epoch: int) -> str | None:
+    """What is wrong with the windows the ranks trained on, or None."""
+    first = [r["seen"][0] for r in found]
+    if first[0] == first[1]:
+        return ("both ranks trained on the same windows (at step 0 rank 0 and rank 1 both got "
+                f"{first[0][:6]}...). Without a DistributedSampler every rank draws from the whole dataset, so "
+                "the global batch is one batch twice over. Give the DataLoader "
+                "DistributedSampler(ds, num_replicas=world_size, rank=rank, shuffle=True, seed=SEED, drop_last=True) "
+                "and no shuffle=True.")
+    a, b = (set(i for batch in r["seen"][:steps_per_epoch] for i in batch) for r in found[:2])
+    if a & b:
+        return (f"the ranks' windows overlap ({len(a & b)} windows of the first epoch were trained on by both "
+                "ranks): each rank must get a disjoint shard (DistributedSampler with num_replicas=world_size and "
+                "rank=rank, the same seed on every rank).")
+    for r in found:
+        seen = r["seen"]
+        if len(seen) >= 2 * steps_per_epoch and seen[:steps_per_epoch] == seen[steps_per_epoch:2 * steps_per_epoch]:
+            return (f"on rank {r['rank']} epoch 1 visited the windows in exactly the order of epoch 0: call "
+                    "sampler.set_epoch(epoch) at the start of every epoch (the sampler shuffles with seed + epoch).")
+    return None
+
+
+def grade(path: str | Path, timeout: float = 180) -> Verdict:
+    """Run the script on 2 processes and compare its final parameters with one process."""
+    from ddp_course.launch import run
+
+    path = Path(path)
+    with tempfile.TemporaryDirectory(prefix="g04_") as tmp:
+        tmp = Path(tmp)
+        r = run(str(path), nproc=NPROC, out_dir=tmp / "ddp", echo="none", progress=False, timeout=timeout,
+                check=False)
+        if "NotImplementedError" in r.output:
+            return not_complete("a TODO of the script (setup, make_loader, wrap, start_epoch, "
+                                "mean_over_ranks, save or teardown)", path)
+        found = sorted(results(r.output), key=lambda x: x["rank"])
+        if len(found) != NPROC:
+            tail = "\n".join(r.output.splitlines()[-20:])
+            return Verdict(False, f"with {NPROC} processes the script did not finish on every rank (exit code "
+                                  f"{r.returncode}, {len(found)} RESULT line(s)). Last lines:\n{tail}")
+        if any(x["world_size"] != NPROC for x in found):
+            return Verdict(False, f"setup() returned world_size {found[0]['world_size']} under torchrun with {NPROC} "
+                                  "processes: read WORLD_SIZE (and RANK, LOCAL_RANK) from the environment and "
+                                  "init_process_group.")
+        if sorted(x["rank"] for x in found) != list(range(NPROC)):
+            return Verdict(False, f"the ranks reported {[x['rank'] for x in found]}; expected 0..{NPROC - 1}: "
+                                  "take the rank from the RANK environment variable.")
+        final = Path(found[0]["final"])
+        if not final.is_file():
+            return Verdict(False, f"rank 0 did not write {final}: save() must torch.save on rank 0.")
+        state = torch.load(final, map_location="cpu", weights_only=True)
+        if any(k.startswith("module.") for k in state):
+            return Verdict(False, "the saved state dict's keys start with 'module.' (the DDP wrapper's): save "
+                                  "model.module.state_dict(), which loads into a plain MiniGPT.")
+
+        cfg = found[0]["config"]
+        ref = _reference(cfg, found[0].get("device", "cpu"), timeout)
+        if set(ref) != set(state):
+            return Verdict(False, f"the saved parameters are not MiniGPT's: missing {sorted(set(ref) - set(state))[:3]},"
+                                  f" unexpected {sorted(set(state) - set(ref))[:3]}.")
+        diff = max((state[k].float() - ref[k].float()).abs().max().item() for k in ref)
+        measured = (f"final parameters differ from one process on the concatenated batch by up to {diff:.2e} "
+                    f"(tolerance {PARAM_ATOL:.0e}) after {cfg['steps']} steps")
+
+        steps_per_epoch = max(1, (cfg["train_windows"] // NPROC) // cfg["micro_batch_size"])
+        problem = _data_problem(found, steps_per_epoch)
+        if problem:
+            return Verdict(False, f"{problem} ({measured}.)")
+        if found[0]["param_checksum"] != found[1]["param_checksum"]:
+            return Verdict(False, "the two ranks end with different weights: the gradients were not averaged. "
+                                  f"Wrap the model with DistributedDataParallel before training. ({measured}.)")
+        if diff > PARAM_ATOL:
+            return Verdict(False, f"{measured}. The ranks saw disjoint windows and agree with each other, so look "
+                                  "at the model, the optimizer and the loss: the same seed, SGD on model.parameters() "
+                                  "of the wrapped model, the loss of each rank's own batch.")
+        return Verdict(True, f"two processes train the same model as one: {measured}.")
+

@@ -1,0 +1,323 @@
+"""Step time of gradient accumulation with and without ``no_sync``, across K and world sizes.
+
+    python -m ddp_course.course.l06_grad_accumulation.bench_no_sync                       # K = 1, 2, 4, 8 on 1 and 2 processes
+    python -m ddp_course.course.l06_grad_accumulation.bench_no_sync --ks=1,4 --world_sizes=2 --rounds=7 --out=/tmp/bench
+    python -m ddp_course.bench no_sync                            # the same, through the bench command
+
+For each world size W it starts one job, ``torchrun --standalone --nproc_per_node=W -m
+ddp_course.course.l06_grad_accumulation.bench_no_sync --worker=true ...``. Every rank wraps the same MiniGPT in DDP and times
+the course's own ``ddp_course.train.train_step`` -- K micro-batches, clipping, one AdamW step --
+with ``no_sync=True`` (one all-reduce per optimizer step) and ``no_sync=False`` (one per micro-batch),
+in alternating order, ``--rounds`` times; a step's time is the slowest rank's. Before timing, a
+second DDP copy with a communication hook checks that the two modes really all-reduce 1 and K times
+per step, and the bench times one all-reduce of the whole gradient (the fastest of 30), which is
+what ``no_sync`` saves on each of the K - 1 non-final micro-steps.
+
+World size 1 still runs DDP (a process group of one): what ``no_sync`` saves there is DDP's own
+bookkeeping, not communication. ``--device=auto`` (default) runs every job on the GPUs with NCCL when
+each rank gets a GPU of its own -- leaving out the world sizes that would not, as long as two are
+left -- and every job on the CPU with gloo otherwise (``ddp_course.dist.choose_study_device``: one
+bench, one kind of device); the first line says which. On a CPU each rank uses ``--threads`` threads
+(default 1), so more ranks than cores (4 on a 2-core machine) oversubscribe the CPU: the bench says
+so and the times then include waiting for a core.
+
+Prints a table and writes ``<out>/no_sync.json`` (``--out`` defaults to ``bench_results``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from ddp_course.paths import show
+
+NAME = "no_sync"
+
+DEFAULTS: dict[str, Any] = {
+    "ks": "1,2,4,8",
+    "world_sizes": "1,2",
+    "rounds": 5,
+    "steps": 3,
+    "warmup": 1,
+    "micro_batch_size": 4,
+    "block_size": 32,
+    "n_layer": 2,
+    "n_head": 4,
+    "n_embd": 128,
+    "bucket_cap_mb": 25.0,
+    "threads": 1,
+    "device": "auto",
+    "seed": 0,
+    "timeout_s": 300.0,
+    "out": "bench_results",
+    "worker": False,
+    "out_dir": "",
+}
+
+HELP = {
+    "ks": "micro-batches per optimizer step to try (comma-separated)",
+    "world_sizes": "processes per job to try (comma-separated); each is one torchrun job",
+    "rounds": "timed rounds; each times every K in both modes, modes in alternating order",
+    "steps": "optimizer steps per timed measurement",
+    "warmup": "untimed optimizer steps of each (K, mode) first",
+    "micro_batch_size": "sequences per micro-batch per rank",
+    "block_size": "tokens per sequence",
+    "n_layer": "transformer blocks", "n_head": "attention heads", "n_embd": "model width",
+    "bucket_cap_mb": "DDP gradient bucket size",
+    "threads": "CPU threads per process",
+    "device": "auto (GPUs when each rank of a job gets one, else CPU; one device for every job) | cpu | cuda",
+    "seed": "model init and data",
+    "timeout_s": "wall-clock limit of each job (all its processes are stopped after it)",
+    "out": "directory for no_sync.json and the per-job folders",
+    "worker": "internal: run as one rank of a job (set by the bench itself)",
+    "out_dir": "internal: where a job's ranks write their result",
+}
+
+
+class BenchError(RuntimeError):
+    """The benchmark cannot run or its result is not valid. The message says why."""
+
+
+def parse_options(argv: list[str]) -> dict[str, Any]:
+    from ddp_course.course.l06_grad_accumulation.no_sync_lab import parse_args
+
+    try:
+        opts = parse_args(argv, DEFAULTS, HELP, prog="python -m ddp_course.bench no_sync", doc=__doc__)
+    except SystemExit as exc:
+        if str(exc.code).startswith("error: "):
+            raise BenchError(str(exc.code)[len("error: "):]) from None
+        raise
+    for key in ("ks", "world_sizes"):
+        try:
+            values = [int(v) for v in str(opts[key]).split(",") if v.strip()]
+        except ValueError:
+            raise BenchError(f"--{key}={opts[key]!r} must be comma-separated integers, e.g. --{key}=1,2,4.") from None
+        if not values or min(values) < 1:
+            raise BenchError(f"--{key}={opts[key]!r} must list integers of at least 1.")
+        opts[key] = values
+    for key in ("rounds", "steps", "micro_batch_size", "block_size", "threads"):
+        if opts[key] < 1:
+            raise BenchError(f"--{key} must be at least 1 (got {opts[key]}).")
+    if opts["warmup"] < 0:
+        raise BenchError(f"--warmup must be 0 or more (got {opts['warmup']}).")
+    if opts["n_embd"] % opts["n_head"]:
+        raise BenchError(f"--n_embd={opts['n_embd']} must be divisible by --n_head={opts['n_head']}.")
+    return opts
+
+
+def _median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+# --------------------------------------------------------------------------------------------------
+# one rank of a job
+
+def worker(opts: dict[str, Any]) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from ddp_course.config import TrainConfig
+    from ddp_course.course.l06_grad_accumulation.no_sync_lab import AllReduceCounter, micro_batch, tiny_model
+    from ddp_course.dist import log, setup
+    from ddp_course.train import build_optimizer, train_step
+
+    with setup(opts["device"], opts["timeout_s"], opts["threads"]) as info:
+        if not info.is_distributed:
+            raise SystemExit("error: the worker runs under torchrun; start the bench with "
+                             "`python -m ddp_course.course.l06_grad_accumulation.bench_no_sync`.")
+        device = info.device
+        shape = {k: opts[k] for k in ("block_size", "n_layer", "n_head", "n_embd")}
+        cfg = TrainConfig(strategy="ddp", bucket_cap_mb=opts["bucket_cap_mb"], grad_clip=1.0)
+        data = {"micro_batch_size": opts["micro_batch_size"], "block_size": opts["block_size"], "seed": opts["seed"]}
+        batches = [tuple(t.to(device) for t in micro_batch(i, info.rank, **data)) for i in range(max(opts["ks"]))]
+
+        def sync() -> None:
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+
+        # 1. Same-work check: a separate DDP copy with a counting hook (the timed model has none,
+        #    so its all-reduces take DDP's built-in path).
+        from ddp_course import parallel
+
+        vddp = DDP(tiny_model(opts["seed"], **shape).to(device), bucket_cap_mb=opts["bucket_cap_mb"],
+                   device_ids=[device.index] if device.type == "cuda" else None)
+        counter = AllReduceCounter(vddp)
+        vopt = build_optimizer(vddp, cfg, device)
+        for _ in range(2):  # DDP re-buckets after the first backward; count on the second
+            counter.reset()
+            train_step(vddp, vopt, None, batches[:1], device=device, precision="fp32", grad_clip=1.0)
+        n_buckets = counter.calls
+        counts = {}
+        for k in opts["ks"]:
+            for mode in (True, False):
+                counter.reset()
+                train_step(vddp, vopt, None, batches[:k], device=device, precision="fp32", grad_clip=1.0,
+                           no_sync=mode)
+                counts[f"{k}/{'no_sync' if mode else 'sync'}"] = {"bucket_all_reduces": counter.calls,
+                                                                  "synced_micro_steps": counter.synced_micro_steps}
+        del vddp, vopt
+
+        # 2. One all-reduce of a gradient-sized tensor: the cost no_sync avoids per skipped micro-step.
+        model = tiny_model(opts["seed"], **shape).to(device)
+        n_params = sum(p.numel() for p in model.parameters())
+        flat = torch.zeros(n_params, device=device)
+        ar = []
+        for i in range(32):
+            dist.barrier()
+            sync()
+            t0 = time.perf_counter()
+            dist.all_reduce(flat)
+            sync()
+            if i >= 2:  # the first calls set up the connection's buffers
+                ar.append(time.perf_counter() - t0)
+        allreduce_s = min(ar)  # a fixed amount of work: the fastest of 30 is its cost, the rest is interference
+
+        # 3. Timing the course's train_step.
+        ddp = parallel.wrap(model, info, cfg)
+        opt = build_optimizer(ddp, cfg, device)
+
+        def timed(k: int, no_sync: bool, n: int) -> float:
+            dist.barrier()
+            sync()
+            t0 = time.perf_counter()
+            for _ in range(n):
+                loss, _ = train_step(ddp, opt, None, batches[:k], device=device, precision="fp32",
+                                     grad_clip=1.0, no_sync=no_sync)
+            loss.item()
+            sync()
+            dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=device)
+            dist.all_reduce(dt, op=dist.ReduceOp.MAX)  # a step is as slow as its slowest rank
+            if not math.isfinite(loss.item()):
+                raise RuntimeError(f"the loss became {loss.item()} (K={k}, no_sync={no_sync})")
+            return dt.item() / n
+
+        if opts["warmup"]:
+            for k in opts["ks"]:
+                for mode in (True, False):
+                    timed(k, mode, opts["warmup"])
+        times: dict[str, list[float]] = {f"{k}/{m}": [] for k in opts["ks"] for m in ("no_sync", "sync")}
+        for r in range(opts["rounds"]):
+            order = (True, False) if r % 2 == 0 else (False, True)
+            for k in opts["ks"]:
+                for mode in order:
+                    times[f"{k}/{'no_sync' if mode else 'sync'}"].append(timed(k, mode, opts["steps"]))
+            log(f"[no_sync bench] world {info.world_size}: round {r + 1}/{opts['rounds']} done")
+
+        if info.is_main:
+            out = {"world_size": info.world_size, "backend": info.backend, "device": str(device),
+                   "threads": torch.get_num_threads(), "n_params": n_params, "n_buckets": n_buckets,
+                   "allreduce_s": allreduce_s, "counts": counts, "step_times_s": times}
+            path = Path(opts["out_dir"]) / "worker.json"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(out, indent=1), encoding="utf-8")
+
+
+# --------------------------------------------------------------------------------------------------
+# the bench: one job per world size, then the table
+
+def run_bench(opts: dict[str, Any]) -> dict[str, Any]:
+    """Run the bench with parsed options; returns the result written to ``<out>/no_sync.json``."""
+    from ddp_course.dist import DeviceError, choose_study_device, cpu_count
+    from ddp_course.launch import LaunchError, run
+    from ddp_course.metrics import environment
+
+    base = Path(opts["out"]).resolve()
+    cores = cpu_count()
+    try:  # one kind of device for every job of the bench (and the world sizes that fit on it)
+        device, world_sizes, reason = choose_study_device(opts["device"], opts["world_sizes"])
+    except DeviceError as exc:
+        raise BenchError(str(exc)) from None
+    opts = {**opts, "device": device, "world_sizes": world_sizes}
+    print(f"[no_sync bench] {reason}", flush=True)
+    print(f"[no_sync bench] K = {', '.join(map(str, opts['ks']))} on {', '.join(map(str, opts['world_sizes']))} "
+          f"process(es), {opts['threads']} thread(s) each, {cores} core(s) visible; MiniGPT {opts['n_layer']} layers x "
+          f"{opts['n_embd']} wide, micro-batch {opts['micro_batch_size']} x {opts['block_size']} tokens; "
+          f"{opts['rounds']} rounds x {opts['steps']} steps", flush=True)
+    worker_opts = {k: opts[k] for k in ("rounds", "steps", "warmup", "micro_batch_size", "block_size", "n_layer",
+                                        "n_head", "n_embd", "bucket_cap_mb", "threads", "device", "seed",
+                                        "timeout_s")}
+    worker_opts["ks"] = ",".join(map(str, opts["ks"]))
+    jobs = []
+    for w in opts["world_sizes"]:
+        oversubscribed = w * opts["threads"] > cores
+        if oversubscribed:
+            print(f"[no_sync bench] note: {w} processes x {opts['threads']} thread(s) on {cores} core(s) "
+                  "oversubscribe the CPU: the times include waiting for a core.", flush=True)
+        out_dir = base / f"{NAME}_w{w}"
+        (out_dir / "worker.json").unlink(missing_ok=True)
+        try:
+            r = run(__name__ if __name__ != "__main__" else "ddp_course.course.l06_grad_accumulation.bench_no_sync", nproc=w,
+                    out_dir=out_dir, timeout=opts["timeout_s"], progress=False, echo="none", use_torchrun=True,
+                    worker=True, **worker_opts)
+        except LaunchError as exc:
+            raise BenchError(f"the job with {w} process(es) failed: {exc}") from None
+        path = out_dir / "worker.json"
+        if not path.is_file():
+            raise BenchError(f"the job with {w} process(es) finished but wrote no {path}. Its output:\n{r.output[-2000:]}")
+        res = json.loads(path.read_text(encoding="utf-8"))
+        # The bench is only valid if the two modes do what they claim: 1 vs K all-reduces per step.
+        b = res["n_buckets"]
+        for k in opts["ks"]:
+            got_ns = res["counts"][f"{k}/no_sync"]["bucket_all_reduces"]
+            got_s = res["counts"][f"{k}/sync"]["bucket_all_reduces"]
+            if got_ns != b or got_s != k * b:
+                raise BenchError(f"world size {w}, K={k}: expected {b} and {k * b} bucket all-reduces per step "
+                                 f"with and without no_sync, counted {got_ns} and {got_s}.")
+        rows = []
+        for k in opts["ks"]:
+            ns = _median(res["step_times_s"][f"{k}/no_sync"])
+            s = _median(res["step_times_s"][f"{k}/sync"])
+            rows.append({"k": k, "no_sync_s": ns, "sync_s": s, "saved_s": s - ns, "saved_frac": (s - ns) / s,
+                         "all_reduces_no_sync": 1, "all_reduces_sync": k,
+                         "predicted_saved_s": (k - 1) * res["allreduce_s"],
+                         "no_sync_rounds_s": res["step_times_s"][f"{k}/no_sync"],
+                         "sync_rounds_s": res["step_times_s"][f"{k}/sync"]})
+        jobs.append({"world_size": w, "oversubscribed": oversubscribed, "wall_s": r.elapsed_s, **res, "rows": rows})
+
+    print()
+    print(f"{'world':>5} {'K':>3}  {'no_sync ms/step':>15}  {'sync ms/step':>12}  {'saved ms':>8}  {'saved':>6}  "
+          f"{'(K-1) x all-reduce':>18}  {'all-reduces/step':>16}")
+    for job in jobs:
+        for row in job["rows"]:
+            print(f"{job['world_size']:>5} {row['k']:>3}  {row['no_sync_s'] * 1e3:>15.2f}  {row['sync_s'] * 1e3:>12.2f}  "
+                  f"{row['saved_s'] * 1e3:>8.2f}  {row['saved_frac']:>6.1%}  {row['predicted_saved_s'] * 1e3:>15.2f} ms"
+                  f"  {row['all_reduces_no_sync']:>7} vs {row['all_reduces_sync']:<3}")
+    for job in jobs:
+        print(f"world {job['world_size']}: one all-reduce of the {job['n_params']:,}-parameter gradient takes "
+              f"{job['allreduce_s'] * 1e3:.2f} ms ({job['n_buckets']} bucket(s), {job['backend']} on {job['device']})"
+              + (" [oversubscribed]" if job["oversubscribed"] else ""))
+    result = {"bench": NAME, "options": opts, "device_reason": reason, "cpu_count": cores, "jobs": jobs,
+              "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None, "environment": environment()}
+    base.mkdir(parents=True, exist_ok=True)
+    (base / f"{NAME}.json").write_text(json.dumps(result, indent=1), encoding="utf-8")
+    print(f"\nwrote {show(base / f'{NAME}.json')}")
+    return result
+
+
+def bench(**overrides: Any) -> dict[str, Any]:
+    """From Python: ``bench(ks="1,4", world_sizes="2", rounds=3)``; returns the result dict."""
+    return run_bench(parse_options([f"--{k}={v}" for k, v in overrides.items()]))
+
+
+def main(argv: list[str]) -> int:
+    try:
+        opts = parse_options(argv)
+        if opts["worker"]:
+            worker(opts)
+            return 0
+        run_bench(opts)
+    except BenchError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,376 @@
+"""Gradient accumulation under DDP: where ``no_sync()`` must go, measured.
+
+    torchrun --standalone --nproc_per_node=2 -m ddp_course.course.l06_grad_accumulation.no_sync_lab --out_dir=runs/no_sync_lab
+
+Every rank runs ``--n_micro`` micro-batches, accumulated ``--k`` at a time (10 micro-batches with
+K = 4 make optimizer steps of 4, 4 and a leftover of 2), once per *variant* of the accumulation
+loop (see ``VARIANTS``): the correct one, no ``no_sync`` at all, the classic silent bugs, and a
+leftover step whose loss is divided by K instead of by its own number of micro-batches.
+
+For every optimizer step of every variant the lab measures
+
+- which micro-steps all-reduced, and how many bucket all-reduces ran: a DDP communication hook
+  counts them (``AllReduceCounter``);
+- the accumulated gradient against one big batch on a plain, unwrapped model: all the step's
+  micro-batches of every rank concatenated (``rel_err = |g - g_ref| / |g_ref|``);
+- whether the replicas hold the same gradient (the largest element-wise difference between ranks).
+
+The optimizer never steps (each comparison is at the same weights, so each stands alone); the
+gradients are zeroed after every optimizer step, as ``optimizer.zero_grad()`` would. ``--device=auto``
+(default) runs on the GPUs with NCCL when every rank has one, else on the CPU with gloo; the first
+line says which. Rank 0 writes ``no_sync_lab.json`` into ``--out_dir``. Options are ``--key=value``
+(``--help`` lists them).
+
+The exercise of lesson 06 (``exercises/06_no_sync.py``) and its grader reuse ``AllReduceCounter``,
+``tiny_model``, ``micro_batch`` and ``reference_gradient`` from here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+from ddp_course import parallel
+from ddp_course.dist import DeviceError, choose_device, log, setup
+from ddp_course.model import GPTConfig, MiniGPT
+from ddp_course.paths import show
+
+VOCAB = 65  # the size of the course's character vocabulary; the tokens here are random ids
+
+# Relative tolerance on |g - g_ref| / |g_ref|. Accumulating K micro-batch means on W ranks and
+# averaging them computes the same mean as one big batch, only with the float32 sums in another
+# order: observed ~1e-7. Every real mistake is far above 1e-3 (a rank-local gradient misses by
+# tens of percent, a leftover divided by K by 1 - n/K), so 1e-5 separates them with room on both sides.
+GRAD_RTOL = 1e-5
+
+DEFAULTS: dict[str, Any] = {
+    "out_dir": "runs/no_sync_lab",
+    "k": 4,  # micro-batches per optimizer step
+    "n_micro": 10,  # micro-batches per rank in all (the last optimizer step takes what is left)
+    "micro_batch_size": 4,  # sequences per micro-batch per rank
+    "block_size": 32,
+    "n_layer": 2,
+    "n_head": 2,
+    "n_embd": 64,
+    "bucket_cap_mb": 25.0,  # DDP's default
+    "seed": 0,
+    "variants": "all",  # comma-separated names from VARIANTS, or all
+    "timeout_s": 60.0,  # process-group timeout
+    "device": "auto",  # auto | cpu | cuda
+}
+
+HELP = {
+    "out_dir": "where rank 0 writes no_sync_lab.json",
+    "k": "micro-batches per optimizer step (K)",
+    "n_micro": "micro-batches per rank in all; if not a multiple of K the last step takes the leftover",
+    "micro_batch_size": "sequences per micro-batch per rank",
+    "block_size": "tokens per sequence",
+    "n_layer": "transformer blocks", "n_head": "attention heads", "n_embd": "model width",
+    "bucket_cap_mb": "DDP gradient bucket size",
+    "seed": "model init and data",
+    "variants": "comma-separated variant names, or all",
+    "timeout_s": "process-group timeout in seconds",
+    "device": "auto (NCCL on GPUs when each rank has one, else gloo on CPU) | cpu | cuda",
+}
+
+# name -> (what the loop does, in one line)
+VARIANTS: dict[str, str] = {
+    "no_sync": "non-final micro-steps: forward AND backward inside model.no_sync() (correct)",
+    "always_sync": "no no_sync at all: every backward all-reduces (correct gradient, K times the traffic)",
+    "backward_only": "no_sync() around the backward only, forward outside it (the classic silent bug)",
+    "flag_after_forward": "require_backward_grad_sync = last, set after the forward (the same bug, by the flag)",
+    "forward_only": "every forward inside no_sync(), every backward outside it (the mirror image)",
+    "loss_over_k": "correct placement, but every loss divided by K, also on the leftover step",
+}
+
+
+# --------------------------------------------------------------------------------------------------
+# pieces shared with the exercise and its grader
+
+def tiny_model(seed: int = 0, *, block_size: int = 32, n_layer: int = 2, n_head: int = 2,
+               n_embd: int = 64) -> MiniGPT:
+    """A small MiniGPT, seeded: every process that calls this gets the same initial weights."""
+    torch.manual_seed(seed)
+    return MiniGPT(GPTConfig(vocab_size=VOCAB, block_size=block_size, n_layer=n_layer, n_head=n_head,
+                             n_embd=n_embd))
+
+
+def micro_batch(index: int, rank: int, *, micro_batch_size: int, block_size: int,
+                seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Micro-batch ``index`` of ``rank``: (x, y) of shape (micro_batch_size, block_size).
+
+    Any process can build any rank's micro-batch (a generator seeded by seed, index and rank), which
+    is what lets every rank compute the big-batch reference on its own.
+    """
+    g = torch.Generator().manual_seed(1_000_003 * seed + 1_009 * index + rank)
+    tokens = torch.randint(VOCAB, (micro_batch_size, block_size + 1), generator=g)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def reference_gradient(model: MiniGPT, indices: Sequence[int], world_size: int, *, micro_batch_size: int,
+                       block_size: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    """The gradient of the mean loss over one big batch: micro-batches ``indices`` of every rank.
+
+    ``model`` is a plain (unwrapped) model; its gradients are left zeroed. Equal-sized micro-batches
+    make the mean over the concatenation equal to the mean of the micro-batch means. The batch goes
+    to the model's device.
+    """
+    parts = [micro_batch(i, r, micro_batch_size=micro_batch_size, block_size=block_size, seed=seed)
+             for i in indices for r in range(world_size)]
+    device = next(model.parameters()).device
+    x = torch.cat([p[0] for p in parts]).to(device)
+    y = torch.cat([p[1] for p in parts]).to(device)
+    model.zero_grad(set_to_none=True)
+    _, loss = model(x, y)
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    return grads
+
+
+def chunks(n_micro: int, k: int) -> list[list[int]]:
+    """Micro-batch indices of each optimizer step: K at a time, the leftover in a last, shorter step."""
+    if n_micro < 1 or k < 1:
+        raise ValueError(f"n_micro and k must be at least 1 (got n_micro={n_micro}, k={k}).")
+    return [list(range(s, min(s + k, n_micro))) for s in range(0, n_micro, k)]
+
+
+class AllReduceCounter:
+    """Counts DDP's gradient all-reduces, and notes during which micro-step each one ran.
+
+    ``AllReduceCounter(ddp)`` registers a communication hook on the DDP model -- DDP calls it once
+    per gradient bucket whenever a backward all-reduces -- and a forward pre-hook on the wrapped
+    module that numbers the forwards. The hook all-reduces exactly as DDP's default does
+    (``default_hooks.allreduce_hook``: divide by the world size, all_reduce SUM). Register it before
+    the first backward (DDP allows one communication hook per model).
+    """
+
+    def __init__(self, ddp: torch.nn.Module):
+        self.calls = 0  # bucket all-reduces since the last reset()
+        self.forwards = 0  # forwards since the last reset()
+        self._during: list[int] = []  # forward number (0-based) at each bucket all-reduce
+        ddp.register_comm_hook(self, AllReduceCounter._hook)
+        ddp.module.register_forward_pre_hook(self._on_forward)
+
+    def _on_forward(self, module, args) -> None:
+        self.forwards += 1
+
+    @staticmethod
+    def _hook(state: AllReduceCounter, bucket):
+        state.calls += 1
+        state._during.append(state.forwards - 1)
+        return default_hooks.allreduce_hook(None, bucket)
+
+    def reset(self) -> None:
+        self.calls, self.forwards, self._during = 0, 0, []
+
+    @property
+    def synced_micro_steps(self) -> list[int]:
+        """The micro-steps (numbered from 0 since reset()) whose backward all-reduced."""
+        return sorted(set(self._during))
+
+
+def flat_grad(model: torch.nn.Module) -> torch.Tensor:
+    """Every parameter's gradient in one float64 vector (zeros where a parameter has none)."""
+    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1).double()
+                      for p in model.parameters()])
+
+
+def compare(model: torch.nn.Module, ref: dict[str, torch.Tensor]) -> dict[str, float]:
+    """This rank's gradient against the reference: relative error and norm ratio."""
+    g = flat_grad(model)
+    r = torch.cat([ref[n].reshape(-1).double() for n, _ in model.named_parameters()])
+    return {"rel_err": ((g - r).norm() / r.norm()).item(), "norm_ratio": (g.norm() / r.norm()).item()}
+
+
+def replica_spread(model: torch.nn.Module) -> float:
+    """Largest element-wise gradient difference between any rank and rank 0 (every rank must call it).
+
+    Uses broadcast and all_reduce directly, not DDP, so the communication hook does not see them.
+    """
+    g = flat_grad(model)
+    g0 = g.clone()
+    dist.broadcast(g0, src=0)
+    diff = (g - g0).abs().max().reshape(1)
+    dist.all_reduce(diff, op=dist.ReduceOp.MAX)
+    return diff.item()
+
+
+# --------------------------------------------------------------------------------------------------
+# the variants of the accumulation loop
+
+def accumulate(ddp, batches: Sequence[tuple[torch.Tensor, torch.Tensor]], variant: str, k: int) -> None:
+    """Forward and backward over one optimizer step's micro-batches, the way ``variant`` does it."""
+    n = len(batches)
+    for i, (x, y) in enumerate(batches):
+        last = i == n - 1
+        if variant in ("no_sync", "loss_over_k"):
+            divisor = k if variant == "loss_over_k" else n  # the leftover step has n < K micro-batches
+            with parallel.sync_context(ddp, sync=last):  # ddp.no_sync() unless last
+                _, loss = ddp(x, y)
+                (loss / divisor).backward()
+        elif variant == "always_sync":
+            _, loss = ddp(x, y)
+            (loss / n).backward()
+        elif variant == "backward_only":
+            _, loss = ddp(x, y)  # DDP reads require_backward_grad_sync here: True, so it prepares to sync
+            with contextlib.nullcontext() if last else ddp.no_sync():
+                (loss / n).backward()
+        elif variant == "flag_after_forward":
+            _, loss = ddp(x, y)
+            ddp.require_backward_grad_sync = last  # too late for this backward: read by the next forward
+            (loss / n).backward()
+        elif variant == "forward_only":
+            with ddp.no_sync():
+                _, loss = ddp(x, y)
+            (loss / n).backward()  # outside no_sync, but the forward already decided: no all-reduce
+        else:
+            raise ValueError(f"unknown variant {variant!r}; choose one of {', '.join(VARIANTS)}.")
+
+
+# --------------------------------------------------------------------------------------------------
+
+def parse_args(argv: list[str], defaults: dict[str, Any] = DEFAULTS, helps: dict[str, str] = HELP,
+               prog: str = "torchrun --standalone --nproc_per_node=2 -m ddp_course.course.l06_grad_accumulation.no_sync_lab",
+               doc: str | None = None) -> dict[str, Any]:
+    """``--key=value`` over ``defaults``, each converted to its default's type; unknown keys refused."""
+    values = dict(defaults)
+    for arg in argv:
+        if arg in ("-h", "--help"):
+            text = (__doc__ if doc is None else doc).strip()
+            lines = [f"usage: {prog} [--key=value ...]", "", text, "", "options:"]
+            lines += [f"  {'--' + k + '=' + str(v):<28} {helps.get(k, '')}" for k, v in defaults.items()]
+            print("\n".join(lines))
+            raise SystemExit(0)
+        if not arg.startswith("--") or "=" not in arg:
+            raise SystemExit(f"error: unexpected argument {arg!r}: options are written --key=value "
+                             f"(--help lists them).")
+        key, value = arg[2:].split("=", 1)
+        key = key.replace("-", "_")
+        if key not in defaults:
+            raise SystemExit(f"error: unknown option --{key}. Valid options: "
+                             f"{', '.join('--' + k for k in defaults)}.")
+        default = defaults[key]
+        try:
+            if isinstance(default, bool):
+                if value.lower() not in ("1", "0", "true", "false", "yes", "no", "on", "off"):
+                    raise ValueError(value)
+                values[key] = value.lower() in ("1", "true", "yes", "on")
+            else:
+                values[key] = type(default)(value)
+        except ValueError:
+            raise SystemExit(f"error: --{key} expects {type(default).__name__} (got {value!r}).") from None
+    return values
+
+
+def _variants(spec: str) -> list[str]:
+    if spec == "all":
+        return list(VARIANTS)
+    names = [v.strip() for v in spec.split(",") if v.strip()]
+    unknown = [v for v in names if v not in VARIANTS]
+    if unknown or not names:
+        raise SystemExit(f"error: --variants={spec!r}: unknown variant(s) {', '.join(unknown) or '(none given)'}; "
+                         f"choose from {', '.join(VARIANTS)} or all.")
+    return names
+
+
+def main(argv: list[str]) -> dict[str, Any]:
+    opts = parse_args(argv)
+    variants = _variants(opts["variants"])
+    for key in ("k", "n_micro", "micro_batch_size", "block_size"):
+        if opts[key] < 1:
+            raise SystemExit(f"error: --{key} must be at least 1 (got {opts[key]}).")
+    shape = {k: opts[k] for k in ("block_size", "n_layer", "n_head", "n_embd")}
+    data = {"micro_batch_size": opts["micro_batch_size"], "block_size": opts["block_size"], "seed": opts["seed"]}
+    steps = chunks(opts["n_micro"], opts["k"])
+
+    try:  # refuse a device this machine cannot give before any process group is made
+        choose_device(opts["device"], int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    except DeviceError as exc:
+        raise SystemExit(f"error: {exc}") from None
+    with setup(device=opts["device"], timeout_s=opts["timeout_s"]) as info:
+        if not info.is_distributed:
+            raise SystemExit("error: the lab needs a process group: launch it with "
+                             "`torchrun --standalone --nproc_per_node=2 -m ddp_course.course.l06_grad_accumulation.no_sync_lab`.")
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        device = info.device
+        model = tiny_model(opts["seed"], **shape).to(device)
+        reference = tiny_model(opts["seed"], **shape).to(device)  # same weights, never wrapped: one process, big batch
+        ddp = DDP(model, bucket_cap_mb=opts["bucket_cap_mb"], device_ids=[device.index] if device.type == "cuda" else None)
+        counter = AllReduceCounter(ddp)
+
+        def my_batch(index: int) -> tuple[torch.Tensor, torch.Tensor]:
+            return tuple(t.to(device) for t in micro_batch(index, info.rank, **data))
+
+        # Two plain synced steps first: DDP rebuilds its buckets after the first backward (in the
+        # order the gradients arrived); the second shows how many buckets one backward all-reduces.
+        for _ in range(2):
+            counter.reset()
+            _, loss = ddp(*my_batch(0))
+            loss.backward()
+            ddp.zero_grad(set_to_none=True)
+        n_buckets = counter.calls
+        log(f"[no_sync_lab] {info.world_size} ranks, {info.device_reason}; MiniGPT {sum(p.numel() for p in model.parameters()):,} "
+            f"parameters in {n_buckets} gradient bucket(s); {opts['n_micro']} micro-batches of "
+            f"{opts['micro_batch_size']} per rank, K = {opts['k']}: optimizer steps of "
+            f"{', '.join(str(len(c)) for c in steps)} micro-batches")
+
+        refs = [reference_gradient(reference, idx, info.world_size, **data) for idx in steps]
+        results: dict[str, Any] = {}
+        for variant in variants:
+            ddp.require_backward_grad_sync = True  # a clean start for every variant
+            rows = []
+            for idx, ref in zip(steps, refs):
+                batches = [my_batch(i) for i in idx]
+                counter.reset()
+                accumulate(ddp, batches, variant, opts["k"])
+                calls, synced = counter.calls, counter.synced_micro_steps
+                mine = compare(model, ref)
+                spread = replica_spread(model)
+                per_rank = [None] * info.world_size
+                dist.all_gather_object(per_rank, {"rank": info.rank, "bucket_all_reduces": calls,
+                                                  "synced_micro_steps": synced, **mine})
+                ddp.zero_grad(set_to_none=True)  # what optimizer.zero_grad() does after the step
+                rows.append({
+                    "micro_batches": len(idx), "indices": idx,
+                    "synced_micro_steps": per_rank[0]["synced_micro_steps"],
+                    "bucket_all_reduces": per_rank[0]["bucket_all_reduces"],
+                    "all_reduce_rounds": per_rank[0]["bucket_all_reduces"] / n_buckets,
+                    "rel_err": max(r["rel_err"] for r in per_rank),
+                    "norm_ratio": [r["norm_ratio"] for r in per_rank],
+                    "replica_max_diff": spread,
+                    "matches_big_batch": max(r["rel_err"] for r in per_rank) <= GRAD_RTOL,
+                    "ranks": per_rank,
+                })
+            results[variant] = {"description": VARIANTS[variant], "steps": rows}
+            log(f"[no_sync_lab] {variant:<19} all-reducing micro-steps per optimizer step "
+                f"{[r['synced_micro_steps'] for r in rows]}, gradient vs one big batch: max rel. error "
+                f"{max(r['rel_err'] for r in rows):.1e}, replicas differ by up to "
+                f"{max(r['replica_max_diff'] for r in rows):.1e}")
+        ddp.require_backward_grad_sync = True
+
+        out = {"world_size": info.world_size, "backend": info.backend, "device": device.type,
+               "k": opts["k"], "n_micro": opts["n_micro"],
+               "steps": steps, "n_buckets": n_buckets, "grad_rtol": GRAD_RTOL, "options": opts,
+               "n_params": sum(p.numel() for p in model.parameters()), "variants": results}
+        if info.is_main:
+            out_dir = Path(opts["out_dir"])
+            out_dir.mkdir(parents=True, exist_ok=True)
+            (out_dir / "no_sync_lab.json").write_text(json.dumps(out, indent=1), encoding="utf-8")
+            log(f"[no_sync_lab] wrote {show(out_dir / 'no_sync_lab.json')}")
+        dist.barrier()
+    return out
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,139 @@
+"""Grader of exercise 09 (``lessons/exercises/09_fsdp.py``): MiniGPT sharded with ``fully_shard``.
+
+Runs the script with torchrun on 2 processes. Every rank reports how the model was sharded (which
+modules are FSDP units, which parameters stayed plain tensors), the parameter bytes it holds, and,
+after a few AdamW steps side by side with a DDP copy, the largest parameter difference from DDP and
+the norm of every (gathered) parameter. The grader checks
+
+- the units: every transformer block and the root are FSDP modules (``fully_shard`` per block, then
+  the root), and no parameter is left a plain tensor;
+- the memory: each rank holds the total parameter bytes / 2, within 5 % (uneven rows and padding);
+- the training: equal to DDP within the script's tolerance, and every parameter's norm equal to
+  that of a reference the grader trains itself, in this process, on the global batch;
+
+and names the mistake behind what it measured.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ddp_course.check import Verdict, not_complete, results
+
+NPROC = 2
+BALANCE_TOL = 0.05  # vocabulary rows (65) do not split evenly: a few hundred bytes of ~70 kB
+NORM_RTOL = 1e-5  # one process on the global batch vs 2 ranks averaging: last-bit differences, ~1e-7
+ROOT_PARAMS = ("tok_emb.weight", "pos_emb.weight", "ln_f.weight", "ln_f.bias")
+
+
+def _tail(output: str, n: int = 15) -> str:
+    return "\n".join(output.splitlines()[-n:])
+
+
+def harness_constants(path: str | Path) -> dict:
+    """SHAPE, MICRO_BATCH_SIZE, STEPS, LR, SEED as the script sets them (read, not run)."""
+    import ast
+
+    out = {}
+    for node in ast.parse(Path(path).read_text(encoding="utf-8")).body:
+        if isinstance(node, ast.Assign) and len(node.targets) == 1:
+            target = node.targets[0]
+            names = [e.id for e in target.elts] if isinstance(target, ast.Tuple) else [getattr(target, "id", "")]
+            try:
+                value = ast.literal_eval(node.value)
+            except ValueError:
+                continue
+            out.update(zip(names, value) if len(names) > 1 else {names[0]: value}.items())
+    return out
+
+
+def reference_norms(constants: dict, world_size: int = NPROC) -> dict[str, float]:
+    """Train the exercise's model in this process on every rank's batch at once; the parameters' norms."""
+    import torch
+
+    from ddp_course.course.l06_grad_accumulation.no_sync_lab import micro_batch, tiny_model
+
+    shape, mbs, steps, lr, seed = (constants[k] for k in ("SHAPE", "MICRO_BATCH_SIZE", "STEPS", "LR", "SEED"))
+    model = tiny_model(seed, **shape)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    for step in range(steps):  # DDP's average over ranks = the mean loss over the concatenated batches
+        parts = [micro_batch(step, r, micro_batch_size=mbs, block_size=shape["block_size"], seed=seed)
+                 for r in range(world_size)]
+        _, loss = model(torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return {n: p.detach().norm().item() for n, p in model.named_parameters()}
+
+
+def diagnose(found: list[dict], reference: dict[str, float], lr: float) -> Verdict:
+    ranks = {r["rank"]: r for r in found}
+    if sorted(ranks) != list(range(NPROC)):
+        return Verdict(False, f"only ranks {sorted(ranks)} reported; every rank must finish.")
+    r0 = ranks[0]
+    plain = r0["plain_params"]
+    if plain and len(plain) == len(r0["param_norms"]):
+        return Verdict(False, "no parameter was sharded: every one is still a plain tensor, so each rank holds the whole "
+                              "model and nothing synchronises the gradients. Call fully_shard(block, mesh=mesh) on each "
+                              "block of model.blocks, then fully_shard(model, mesh=mesh), and return the model.")
+    if plain:
+        root = [n for n in plain if n in ROOT_PARAMS]
+        why = (" These belong to the root module: call fully_shard(model, mesh=mesh) after the blocks, so that the "
+               "embeddings (tied with the output head) and the final LayerNorm are sharded too." if root else "")
+        return Verdict(False, f"{len(plain)} parameter(s) stayed plain tensors ({', '.join(plain[:5])}): every rank holds "
+                              "them in full and, worse, nothing averages their gradients, so the ranks drift apart."
+                              + why)
+    units = r0["units"]
+    if not all(units["blocks"]):
+        missing = [i for i, u in enumerate(units["blocks"]) if not u]
+        return Verdict(False, f"every parameter is sharded, but block(s) {missing} are not FSDP units of their own: "
+                              "sharding only the root makes the whole model one unit, all-gathered in full before the "
+                              "first layer's forward, so each rank's peak holds every parameter at once -- the memory "
+                              "FSDP exists to save. Call fully_shard(block, mesh=mesh) on each block before the root.")
+    if not units["root"]:
+        return Verdict(False, "the model returned is not an FSDP module: return the model after fully_shard(model, ...).")
+    for rank, r in sorted(ranks.items()):
+        share = r["total_bytes"] / NPROC
+        if abs(r["local_bytes"] - share) > BALANCE_TOL * share:
+            return Verdict(False, f"rank {rank} holds {r['local_bytes']:,} parameter bytes, but 1/{NPROC} of the model is "
+                                  f"{share:,.0f}: shard over all ranks (init_device_mesh('cpu', (world_size,))).")
+    worst = max(r["max_abs_diff_vs_ddp"] for r in found)
+    if worst > lr / 100:  # rounding (another summation order) stays ~1e-6; a real bug moves parameters by ~lr
+        return Verdict(False, f"after training, the sharded model differs from DDP by up to {worst:.2e}, more than "
+                              f"rounding explains (lr / 100 = {lr / 100:.0e}). Did shard() change the model's weights or options (for example a "
+                              "mixed-precision policy)? Shard it as it is.")
+    bad = [n for n, v in reference.items()
+           if abs(r0["param_norms"].get(n, float("nan")) - v) > NORM_RTOL * abs(v) or n not in r0["param_norms"]]
+    if bad:
+        return Verdict(False, f"the parameters {bad[:4]} after training differ from the grader's own reference (one process "
+                              "on the global batch). Shard the model as it is, without changing it.")
+    return Verdict(True, f"every block and the root are FSDP units; each rank holds {r0['local_bytes']:,} of "
+                         f"{r0['total_bytes']:,} parameter bytes; after training, the parameters equal DDP's (max "
+                         f"difference {worst:.1e}) and the grader's one-process reference.")
+
+
+def collect(path: str | Path, timeout: float = 180) -> list[dict] | Verdict:
+    """Run the script on 2 ranks: its RESULT lines, or a failing verdict saying why there are none."""
+    from ddp_course.launch import LaunchTimeout, run
+
+    try:
+        r = run(str(path), nproc=NPROC, echo="none", progress=False, timeout=timeout, check=False)
+    except LaunchTimeout as exc:
+        return Verdict(False, f"the script did not finish within {timeout:.0f}s and was stopped. "
+                              f"Last lines:\n{_tail(exc.run.output)}")
+    if "NotImplementedError" in r.output:
+        return not_complete("shard()", path)
+    found = results(r.output)
+    if len(found) != NPROC:
+        return Verdict(False, f"the script did not finish on every rank (exit code {r.returncode}). "
+                              f"Last lines:\n{_tail(r.output)}")
+    return found
+
+
+def grade(path: str | Path, timeout: float = 180) -> Verdict:
+    """Run the script on 2 ranks, then compare with the grader's own one-process reference."""
+    found = collect(path, timeout)
+    if isinstance(found, Verdict):
+        return found
+    constants = harness_constants(path)
+    return diagnose(found, reference_norms(constants), constants["LR"])

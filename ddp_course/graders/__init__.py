@@ -1,1 +1,0 @@
-"""Graders of the exercise scripts: module gNN grades exercise NN (``grade(path) -> Verdict``)."""
