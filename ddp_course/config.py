@@ -14,13 +14,15 @@ import typing
 from dataclasses import dataclass
 from typing import Any
 
+from ddp_course.cli import FlagError
+
 PRECISIONS = ("fp32", "bf16", "fp16")
 DEVICES = ("auto", "cpu", "cuda")
 COMM_HOOKS = ("none", "fp16", "bf16", "int8")
 DATA_ORDERS = ("sampler", "stream")
 
 
-class ConfigError(ValueError):
+class ConfigError(FlagError):
     """A bad flag or value. The message is one paragraph that says what to do instead."""
 
 

@@ -181,12 +181,17 @@ def stop_job(proc: subprocess.Popen, job_id: str, grace_s: float = 8.0) -> None:
     proc.wait()
 
 
-def _error_files(log_dir: Path | None) -> list[dict]:
-    """The error.json files torchrun's workers wrote (via @record), oldest failure first."""
-    if log_dir is None or not log_dir.exists():
+def error_files(log_dir: str | os.PathLike | None) -> list[dict]:
+    """The ``error.json`` files torchrun's workers wrote (via ``@record``) anywhere below ``log_dir``.
+
+    One dict per failed worker: ``path``, ``rank_dir`` (the folder torchrun named after the rank),
+    ``rank`` (int, or None when that folder is not a number), ``message``, ``traceback`` and
+    ``timestamp``. The cause comes first: failures that are not about a lost peer, then the earliest.
+    """
+    if log_dir is None or not Path(log_dir).exists():
         return []
     found = []
-    for path in log_dir.glob("**/error.json"):
+    for path in sorted(Path(log_dir).glob("**/error.json")):
         try:
             data = json.loads(path.read_text(encoding="utf-8"))
         except (OSError, json.JSONDecodeError):
@@ -195,7 +200,9 @@ def _error_files(log_dir: Path | None) -> list[dict]:
         if isinstance(msg, str):
             msg = {"message": msg, "extraInfo": {}}
         extra = msg.get("extraInfo", {}) or {}
-        found.append({"rank_dir": path.parent.name, "message": msg.get("message", ""),
+        rank_dir = path.parent.name
+        found.append({"path": str(path), "rank_dir": rank_dir, "rank": int(rank_dir) if rank_dir.isdigit() else None,
+                      "message": msg.get("message", ""),
                       "traceback": extra.get("py_callstack", ""), "timestamp": int(extra.get("timestamp", 0) or 0)})
     # A rank that lost its peer ("connection closed", a timeout) is a consequence, not the cause:
     # put the failures that are not about a lost peer first, then the earliest.
@@ -211,7 +218,7 @@ def _explain_failure(run: Run, log_dir: Path | None) -> str:
     mine = [ln[len("error: "):] for ln in lines if ln.startswith("error: ")]
     if mine:
         return f"{head}\n{mine[0]}"
-    errors = _error_files(log_dir)
+    errors = error_files(log_dir)
     tail = "\n".join(lines[-25:])
     if errors:
         first = errors[0]

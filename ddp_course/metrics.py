@@ -123,6 +123,15 @@ def write_json(path: str | os.PathLike, obj: Any) -> None:
     os.replace(tmp, path)
 
 
+def load_average() -> list[float] | None:
+    """The 1, 5 and 15 minute load averages, rounded to 0.01; None where the OS has none (Windows).
+    Benchmarks record it beside their timings: a busy machine explains a slow or noisy figure."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except (AttributeError, OSError):
+        return None
+
+
 def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
     path = Path(path)
     if not path.exists():

@@ -99,7 +99,7 @@ def test_collectives_lab_2_ranks_without_avg_and_reduce_scatter(tmp_path):
 
 
 def test_labs_refuse_bad_options(capsys, monkeypatch):
-    from ddp_course.course._flags import FlagError, parse_flags
+    from ddp_course.cli import FlagError, parse_flags
     from ddp_course.course.l02_collectives import collectives, mismatch
 
     assert collectives.main(["--out-dirr=x"]) == 2

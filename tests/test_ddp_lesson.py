@@ -205,7 +205,7 @@ def test_recipe_on_two_gpus_equals_one_gpu(tmp_path):
 
 
 def test_recipe_refuses_unknown_options_and_variants():
-    from ddp_course.course._flags import FlagError
+    from ddp_course.cli import FlagError
     from ddp_course.course.l04_ddp.ddp_recipe import parse
 
     with pytest.raises(FlagError, match="Did you mean --steps"):

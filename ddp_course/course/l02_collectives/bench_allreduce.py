@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ddp_course.course._flags import FlagError, parse_flags
+from ddp_course.cli import FlagError, parse_flags
 from ddp_course.paths import show
 
 NAME = "allreduce"

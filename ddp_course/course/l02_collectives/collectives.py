@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ddp_course.course._flags import FlagError, parse_flags
+from ddp_course.cli import FlagError, parse_flags
 
 DEFAULTS: dict[str, Any] = {"out_dir": "runs/collectives", "device": "auto", "timeout_s": 60.0,
                             "barrier_delay_s": 0.3}

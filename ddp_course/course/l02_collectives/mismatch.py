@@ -36,7 +36,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ddp_course.course._flags import FlagError, parse_flags
+from ddp_course.cli import FlagError, parse_flags
 
 CPU_BY_DESIGN = ("gloo ends a mismatched collective with an error every rank can catch and record; under NCCL "
                  "the watchdog aborts the process, which may die before it writes what it saw")

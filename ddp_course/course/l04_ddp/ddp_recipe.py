@@ -57,7 +57,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.nn.utils import parameters_to_vector
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from ddp_course.course._flags import FlagError, parse_flags
+from ddp_course.cli import FlagError, parse_flags
 from ddp_course.data import TokenWindows, prepare, stream_offsets
 from ddp_course.dist import clean_exit, cpu_count
 from ddp_course.metrics import write_json

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ddp_course.course._flags import FlagError, parse_flags
+from ddp_course.cli import FlagError, parse_flags
 from ddp_course.paths import show
 
 PROG = "python -m ddp_course.course.l04_ddp.spawn_demo"

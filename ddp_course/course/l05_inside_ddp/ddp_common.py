@@ -23,7 +23,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from ddp_course.course._flags import FlagError, parse_flags  # noqa: F401  (re-exported for the labs)
+from ddp_course.cli import FlagError, parse_flags  # noqa: F401  (re-exported for the labs)
 
 
 def float_list(text: str, name: str) -> list[float]:

@@ -34,8 +34,8 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from ddp_course import parallel
+from ddp_course.cli import FlagError, parse_flags
 from ddp_course.config import TrainConfig
-from ddp_course.course._flags import FlagError, parse_flags
 from ddp_course.course.l07_mixed_precision.amp import gradient_spike
 from ddp_course.data import prepare, train_batches
 from ddp_course.dist import DeviceError, log, seed_everything, setup

@@ -40,8 +40,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from ddp_course.cli import FlagError, parse_flags
 from ddp_course.config import TrainConfig
-from ddp_course.course._flags import FlagError, parse_flags
 from ddp_course.metrics import environment, saved_activation_bytes
 from ddp_course.model import GPTConfig, MiniGPT
 from ddp_course.paths import show

@@ -34,8 +34,8 @@ from typing import Any
 import torch
 
 from ddp_course import checkpoint
+from ddp_course.cli import FlagError, parse_flags
 from ddp_course.config import TrainConfig
-from ddp_course.course._flags import FlagError, parse_flags
 from ddp_course.metrics import read_jsonl
 from ddp_course.train import main as train_main
 

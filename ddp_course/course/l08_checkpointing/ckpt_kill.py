@@ -32,8 +32,8 @@ from typing import Any
 import torch
 
 from ddp_course import checkpoint, parallel
+from ddp_course.cli import FlagError, parse_flags
 from ddp_course.config import TrainConfig
-from ddp_course.course._flags import FlagError, parse_flags
 from ddp_course.dist import DeviceError, choose_device, log, seed_everything, setup
 from ddp_course.model import GPTConfig, MiniGPT
 from ddp_course.train import build_optimizer, train_step

@@ -26,8 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from ddp_course import checkpoint, parallel
+from ddp_course.cli import FlagError, parse_flags
 from ddp_course.config import TrainConfig
-from ddp_course.course._flags import FlagError, parse_flags
 from ddp_course.dist import DeviceError, choose_device, log, setup
 from ddp_course.model import GPTConfig, MiniGPT
 from ddp_course.train import build_optimizer

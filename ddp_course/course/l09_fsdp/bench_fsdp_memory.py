@@ -51,7 +51,7 @@ class BenchError(RuntimeError):
 
 
 def parse(argv: list[str]) -> dict[str, Any]:
-    from ddp_course.course._flags import FlagError, parse_flags
+    from ddp_course.cli import FlagError, parse_flags
 
     try:
         opts = parse_flags(argv, DEFAULTS, prog="python -m ddp_course.bench fsdp_memory")

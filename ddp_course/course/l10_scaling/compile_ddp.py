@@ -46,7 +46,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddp_course import parallel
-from ddp_course.course._flags import FlagError, parse_flags
+from ddp_course.cli import FlagError, parse_flags
 from ddp_course.dist import DeviceError, choose_device, log, setup
 from ddp_course.model import GPTConfig, MiniGPT
 from ddp_course.paths import show

@@ -29,7 +29,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-from ddp_course.course._flags import FlagError, parse_flags
+from ddp_course.cli import FlagError, parse_flags
 
 PROG = "python -m ddp_course multinode"
 

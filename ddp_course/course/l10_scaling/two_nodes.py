@@ -26,7 +26,7 @@ import time
 import uuid
 from pathlib import Path
 
-from ddp_course.course._flags import FlagError, parse_flags
+from ddp_course.cli import FlagError, parse_flags
 from ddp_course.course.l04_ddp.spawn_demo import free_port
 from ddp_course.launch import _JOB_VAR, stop_job
 

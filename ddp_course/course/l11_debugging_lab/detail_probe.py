@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ddp_course.course._flags import FlagError, parse_flags
+from ddp_course.cli import FlagError, parse_flags
 from ddp_course.dist import log, setup
 
 STAGES = ("started", "process_group", "ddp_constructed", "backward_done")

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from ddp_course.course._flags import FlagError, parse_flags
+from ddp_course.cli import FlagError, parse_flags
 
 VOCAB = 65  # the course's character vocabulary; the labs that need tokens use random ids or the corpus
 # Joining the process group waits for every rank to start; on a busy machine starting Python and torch

@@ -1,6 +1,9 @@
-"""Strict ``--key=value`` options for the small lab programs and benchmarks.
+"""The one ``--key=value`` parser and the one command wrapper of every runnable module.
 
-    opts = parse_flags(argv, {"out_dir": "runs/x", "timeout_s": 15.0}, prog="python -m ddp_course.labs.x")
+    opts = parse_flags(argv, {"out_dir": "runs/x", "timeout_s": 15.0}, prog="python -m ddp_course.course.l02_collectives.mismatch")
+
+    @command
+    def main(argv: list[str]) -> int: ...        # a FlagError raised inside -> "error: ..." and exit code 2
 
 Each value is converted to the type of its default; an unknown key, a missing ``=`` or a value of
 the wrong type raises :class:`FlagError` with one paragraph that says what to write instead. Keys
@@ -10,6 +13,9 @@ are matched exactly (never by prefix), and ``-`` in a key is read as ``_``.
 from __future__ import annotations
 
 import difflib
+import functools
+import sys
+from collections.abc import Callable
 from typing import Any
 
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
@@ -45,3 +51,17 @@ def parse_flags(argv: list[str], defaults: dict[str, Any], prog: str) -> dict[st
             raise FlagError(f"{prog}: --{key} expects a {type(default).__name__} (got {value!r}), "
                             f"e.g. --{key}={default}.") from None
     return values
+
+
+def command(main: Callable[[list[str]], int | None]) -> Callable[[list[str] | None], int]:
+    """Wrap a module's ``main(argv) -> int``: ``argv`` defaults to ``sys.argv[1:]``, and a
+    :class:`FlagError` (bad input; :class:`ddp_course.config.ConfigError` is one) becomes one
+    ``error: ...`` paragraph on stdout and exit code 2, the course's answer to bad input everywhere."""
+    @functools.wraps(main)
+    def wrapped(argv: list[str] | None = None) -> int:
+        try:
+            return int(main(sys.argv[1:] if argv is None else list(argv)) or 0)
+        except FlagError as exc:
+            print(f"error: {exc}", flush=True)
+            return 2
+    return wrapped
