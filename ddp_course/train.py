@@ -48,10 +48,11 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 
 def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:
     """AdamW with weight decay on matrices only (not on biases, LayerNorm gains or position tables)."""
+    ndims = parallel.param_ndims(model)  # as the model defined them (FSDP1 shows flat 1-D shards)
     decay, no_decay = [], []
-    for p in model.parameters():
+    for name, p in model.named_parameters():
         if p.requires_grad:
-            (decay if parallel.ndim(p) >= 2 else no_decay).append(p)
+            (decay if ndims[name] >= 2 else no_decay).append(p)
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     # fused on CUDA: one kernel for the whole update. On CPU, PyTorch's default path (one tensor at a
     # time) is kept, so CPU results stay comparable across the torch versions the course supports.
