@@ -42,7 +42,7 @@ RECORD = "launch.json"  # how a job ended, written into its folder: Run.load rea
 class LaunchError(RuntimeError):
     """A launched job failed. ``str(err)`` explains; ``.run`` holds the output and exit code."""
 
-    def __init__(self, message: str, run: Run):
+    def __init__(self, message: str, run: Run) -> None:
         super().__init__(message)
         self.run = run
 
@@ -314,7 +314,7 @@ def _clear_outputs(out_path: Path, resume: bool) -> None:
 class _Progress:
     """A tqdm bar that follows ``metrics.jsonl``: steps done and the last logged loss."""
 
-    def __init__(self, total: int, desc: str, metrics_path: Path):
+    def __init__(self, total: int, desc: str, metrics_path: Path) -> None:
         from tqdm.auto import tqdm
 
         self.bar = tqdm(total=total, desc=desc, unit="step", leave=True)

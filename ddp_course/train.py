@@ -31,7 +31,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from ddp_course import checkpoint, parallel
 from ddp_course.config import ConfigError, TrainConfig, parse_cli
-from ddp_course.data import CorpusError, Data, prepare, stream_batches, train_batches, val_batches
+from ddp_course.data import Batch, CorpusError, Data, prepare, stream_batches, train_batches, val_batches
 from ddp_course.dist import DeviceError, DistInfo, all_reduce_mean, log, seed_everything, setup
 from ddp_course.metrics import MetricsWriter, environment, mfu, peak_memory, reset_peak_memory, write_json
 from ddp_course.model import GPTConfig, MiniGPT
@@ -114,7 +114,7 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, batches: Sequence[tuple[torch.Tensor, torch.Tensor]], info: DistInfo,
+def evaluate(model: nn.Module, batches: Sequence[Batch], info: DistInfo,
              precision: str) -> float:
     """Mean validation loss over this rank's batches, averaged over ranks (one all_reduce)."""
     model.eval()
@@ -234,7 +234,7 @@ def _write_config(job: _Job) -> None:
 
 
 def _train_data(job: _Job, start_step: int, start_batch: int, meta: dict[str, Any] | None
-                ) -> tuple[Iterator[tuple[torch.Tensor, torch.Tensor]], int | None]:
+                ) -> tuple[Iterator[Batch], int | None]:
     """This rank's training batches from ``start_batch`` on, and the micro-batches per epoch (sampler order)."""
     cfg, info, data = job.cfg, job.info, job.data
     pin = job.device.type == "cuda"
@@ -250,8 +250,8 @@ def _train_data(job: _Job, start_step: int, start_batch: int, meta: dict[str, An
     return batches, per_epoch
 
 
-def _micro_batches(batches: Iterator[tuple[torch.Tensor, torch.Tensor]], job: _Job
-                   ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def _micro_batches(batches: Iterator[Batch], job: _Job
+                   ) -> list[Batch]:
     """The next ``grad_accum_steps`` micro-batches, on the device (asynchronous copies from pinned memory)."""
     pin = job.device.type == "cuda"
     return [(x.to(job.device, non_blocking=pin), y.to(job.device, non_blocking=pin))
@@ -268,7 +268,7 @@ def _inject_failure(cfg: TrainConfig, info: DistInfo, step: int) -> None:
 class _Clock:
     """Training time and throughput, interval by interval; evaluation and checkpoints are left out."""
 
-    def __init__(self, tokens_per_step: int):
+    def __init__(self, tokens_per_step: int) -> None:
         self.tokens_per_step = tokens_per_step
         self.start = self.mark = time.perf_counter()
         self.train_time = self.steady_time = 0.0

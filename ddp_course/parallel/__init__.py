@@ -11,14 +11,12 @@ from __future__ import annotations
 import contextlib
 import importlib
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
 
-if TYPE_CHECKING:
-    from ddp_course.config import TrainConfig
-    from ddp_course.dist import DistInfo
+from ddp_course.config import TrainConfig
+from ddp_course.dist import DistInfo
 
 
 def wrap(model: nn.Module, info: DistInfo, cfg: TrainConfig) -> nn.Module:
@@ -42,7 +40,7 @@ def unwrap(model: nn.Module) -> nn.Module:
             return model
 
 
-def sync_context(model: nn.Module, sync: bool):
+def sync_context(model: nn.Module, sync: bool) -> contextlib.AbstractContextManager:
     """``model.no_sync()`` on a micro-step that must not all-reduce, else a no-op context.
 
     DDP reads the flag when the *forward* runs, so the forward of every non-final micro-step must be

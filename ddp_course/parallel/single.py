@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch.nn as nn
 
-if TYPE_CHECKING:
-    from ddp_course.config import TrainConfig
-    from ddp_course.dist import DistInfo
+from ddp_course.config import TrainConfig
+from ddp_course.dist import DistInfo
 
 
 def wrap(model: nn.Module, info: DistInfo, cfg: TrainConfig) -> nn.Module:
