@@ -45,11 +45,21 @@ import re
 import shutil
 import warnings
 import zipfile
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
+
+from ddp_course.dist import DistInfo
+
+if TYPE_CHECKING:  # imported where used: torch.distributed.checkpoint is slow to import
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+T = TypeVar("T")
+Scaler = torch.amp.GradScaler
 
 FORMATS = ("full", "sharded")
 SHAPE_KEYS = ("block_size", "n_layer", "n_head", "n_embd", "vocab_size")
@@ -129,12 +139,12 @@ def set_rng_state(state: dict[str, Any], device: torch.device | str = "cpu") -> 
         torch.cuda.set_rng_state(state["cuda"].cpu(), device)
 
 
-def _to_python_state(s):
+def _to_python_state(s: Sequence[Any]) -> tuple[Any, ...]:
     # weights_only loading gives lists back where random.getstate() had tuples
     return tuple(tuple(x) if isinstance(x, list) else x for x in s)
 
 
-def _gather_rng(info) -> list[dict[str, Any]] | None:
+def _gather_rng(info: DistInfo) -> list[dict[str, Any]] | None:
     """Every rank's generator states, on rank 0 (None elsewhere). A collective: every rank calls it.
 
     Ranks can differ (dropout seeded per rank, data workers), so each rank's own state is kept.
@@ -229,14 +239,15 @@ def _commit(path: Path, keep_last: int) -> None:
             _remove(old)
 
 
-def _full_options():
+def _full_options() -> StateDictOptions:
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
     # full (unsharded) tensors, copied to the CPU, kept on rank 0 only: what one file holds
     return StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 
-def save(out_dir: str | os.PathLike, step: int, model, optimizer, scaler, info, shape: dict[str, int], *,
+def save(out_dir: str | os.PathLike, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
+         scaler: Scaler | None, info: DistInfo, shape: dict[str, int], *,
          keep_last: int = 2, fmt: str = "full", position: dict[str, int] | None = None) -> Path | None:
     """Save the training state after ``step`` optimizer steps; returns the path on rank 0, else None.
 
@@ -288,7 +299,7 @@ def save(out_dir: str | os.PathLike, step: int, model, optimizer, scaler, info, 
     return path if info.is_main else None
 
 
-def save_final(out_dir: str | os.PathLike, step: int, model, info) -> Path | None:
+def save_final(out_dir: str | os.PathLike, step: int, model: nn.Module, info: DistInfo) -> Path | None:
     """Write ``final.pt`` (the unwrapped model's parameters after ``step`` steps), atomically, by rank 0.
 
     A collective (every rank calls it). Cheap: the model only, no optimizer.
@@ -357,8 +368,8 @@ def load(path: str | os.PathLike, device: torch.device | str = "cpu", shape: dic
     return state
 
 
-def restore(state: dict[str, Any], model, optimizer, scaler, info=None, path: str | os.PathLike = "checkpoint"
-            ) -> int:
+def restore(state: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer, scaler: Scaler | None,
+            info: DistInfo | None = None, path: str | os.PathLike = "checkpoint") -> int:
     """Put a ``full`` checkpoint's states into the objects (every rank); returns the step to continue from."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
@@ -372,7 +383,7 @@ def restore(state: dict[str, Any], model, optimizer, scaler, info=None, path: st
     return int(state["step"])
 
 
-def _restore_rest(state: dict[str, Any], scaler, info) -> None:
+def _restore_rest(state: dict[str, Any], scaler: Scaler | None, info: DistInfo | None) -> None:
     if scaler is not None and state.get("scaler"):
         scaler.load_state_dict(state["scaler"])
     rng = state.get("rng")
@@ -457,8 +468,8 @@ def _safe_reader_and_planner(path: Path):
     return SafeReader(path), SafePlanner()
 
 
-def resume(path: str | os.PathLike, model, optimizer, scaler, info, shape: dict[str, int] | None = None
-           ) -> dict[str, Any]:
+def resume(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer, scaler: Scaler | None,
+           info: DistInfo, shape: dict[str, int] | None = None) -> dict[str, Any]:
     """Load a checkpoint of either format into the objects, on every rank; returns its metadata.
 
     A collective: every rank must call it. The world size may differ from the one that saved it.
@@ -526,7 +537,7 @@ def drop_metrics_after(out_dir: str | os.PathLike, step: int) -> int:
     return len(lines) - len(keep)
 
 
-def restore_rng_after_first(batches, meta: dict[str, Any], info):
+def restore_rng_after_first(batches: Iterator[T], meta: dict[str, Any], info: DistInfo) -> Iterator[T]:
     """Yield from ``batches``, putting the saved RNG states back once the first batch has been drawn.
 
     A DataLoader draws its base seed from the global torch generator whenever an iterator starts. The
@@ -540,7 +551,7 @@ def restore_rng_after_first(batches, meta: dict[str, Any], info):
     yield from batches
 
 
-def fingerprint(model, optimizer=None) -> str:
+def fingerprint(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> str:
     """A short SHA-256 of the model's full tensors (and the optimizer's state, if given), bit for bit.
 
     Two fingerprints are equal only if every parameter (and every AdamW moment and step count) is
@@ -554,7 +565,7 @@ def fingerprint(model, optimizer=None) -> str:
 
     h = hashlib.sha256()
 
-    def feed(obj) -> None:
+    def feed(obj: Any) -> None:
         if isinstance(obj, torch.Tensor):
             t = obj.detach().cpu().contiguous()
             h.update(f"{t.dtype}{tuple(t.shape)}".encode())

@@ -15,7 +15,7 @@ from __future__ import annotations
 import difflib
 import functools
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
@@ -51,6 +51,21 @@ def parse_flags(argv: list[str], defaults: dict[str, Any], prog: str) -> dict[st
             raise FlagError(f"{prog}: --{key} expects a {type(default).__name__} (got {value!r}), "
                             f"e.g. --{key}={default}.") from None
     return values
+
+
+def convert(value: str, typ: type) -> Any:
+    """``value`` from the command line as a ``typ``: ``1/true/yes/on`` and ``0/false/no/off`` (any case)
+    for ``bool``, else ``typ(value)``. Raises ValueError when it does not convert; the caller words the message."""
+    if typ is bool:
+        if value.lower() not in _TRUE + _FALSE:
+            raise ValueError(value)
+        return value.lower() in _TRUE
+    return typ(value)
+
+
+def close_keys(key: str, keys: Iterable[str], n: int = 2) -> list[str]:
+    """Up to ``n`` of ``keys`` spelled like ``key``, as ``--name`` flags, for a "Did you mean" hint."""
+    return ["--" + k for k in difflib.get_close_matches(key, list(keys), n=n)]
 
 
 def command(main: Callable[[list[str]], int | None]) -> Callable[[list[str] | None], int]:

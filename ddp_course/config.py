@@ -9,12 +9,14 @@ never by prefix, so they cannot be confused with torchrun's own (abbreviating) o
 from __future__ import annotations
 
 import dataclasses
-import difflib
+import inspect
+import pkgutil
 import typing
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from ddp_course.cli import FlagError
+from ddp_course.cli import FlagError, close_keys, convert
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 DEVICES = ("auto", "cpu", "cuda")
@@ -26,15 +28,17 @@ class ConfigError(FlagError):
     """A bad flag or value. The message is one paragraph that says what to do instead."""
 
 
+# The strategies are the modules of ddp_course/parallel. They are listed from that folder, not by
+# importing the package: ddp_course.parallel imports this module (ConfigError, TrainConfig), never
+# the other way round, so the import graph stays acyclic.
+STRATEGY_DIR = Path(__file__).resolve().with_name("parallel")
+_STRATEGY_ORDER = {"single": 0, "dp": 1, "ddp": 2, "fsdp": 3}
+
+
 def available_strategies() -> tuple[str, ...]:
     """Names of the modules in ``ddp_course/parallel`` (adding a strategy is adding one file)."""
-    import pkgutil
-
-    from ddp_course import parallel
-
-    names = [m.name for m in pkgutil.iter_modules(parallel.__path__) if not m.name.startswith("_")]
-    order = {"single": 0, "dp": 1, "ddp": 2, "fsdp": 3}
-    return tuple(sorted(names, key=lambda n: (order.get(n, 99), n)))
+    names = [m.name for m in pkgutil.iter_modules([str(STRATEGY_DIR)]) if not m.name.startswith("_")]
+    return tuple(sorted(names, key=lambda n: (_STRATEGY_ORDER.get(n, 99), n)))
 
 
 @dataclass(kw_only=True)
@@ -177,32 +181,26 @@ def _field_types() -> dict[str, type]:
 
 
 def _unknown_key(key: str) -> ConfigError:
-    names = list(_field_types())
-    close = difflib.get_close_matches(key, names, n=3)
-    hint = f" Did you mean {', '.join('--' + c for c in close)}?" if close else ""
+    close = close_keys(key, _field_types(), n=3)
+    hint = f" Did you mean {', '.join(close)}?" if close else ""
     return ConfigError(f"Unknown option --{key}.{hint} Run `python -m ddp_course.train --help` for every option.")
 
 
-def coerce(key: str, value: Any) -> Any:
-    """Convert ``value`` (a string from the command line, or a Python value) to the field's type."""
-    types = _field_types()
-    if key not in types:
-        raise _unknown_key(key)
-    typ = types[key]
-    if isinstance(value, str):
-        text = value.strip()
-        if typ is bool:
-            low = text.lower()
-            if low in ("1", "true", "yes", "on"):
-                return True
-            if low in ("0", "false", "no", "off"):
-                return False
-            raise ConfigError(f"--{key} expects true or false (got {value!r}).")
-        try:
-            return typ(text)
-        except ValueError:
-            raise ConfigError(f"--{key} expects {'an integer' if typ is int else 'a number' if typ is float else typ.__name__}"
-                              f" (got {value!r}).") from None
+def _type_name(typ: type) -> str:
+    return "an integer" if typ is int else "a number" if typ is float else typ.__name__
+
+
+def _from_text(key: str, typ: type, value: str) -> Any:
+    """A command-line string as the field's type (the same conversion as every ``--key=value`` parser)."""
+    try:
+        return convert(value.strip(), typ)
+    except ValueError:
+        wanted = "true or false" if typ is bool else _type_name(typ)
+        raise ConfigError(f"--{key} expects {wanted} (got {value!r}).") from None
+
+
+def _from_python(key: str, typ: type, value: Any) -> Any:
+    """A Python value (from :func:`from_dict`) checked against the field's type; ints widen to floats."""
     if typ is bool and isinstance(value, bool):
         return value
     if typ is float and isinstance(value, (int, float)) and not isinstance(value, bool):
@@ -216,6 +214,16 @@ def coerce(key: str, value: Any) -> Any:
     raise ConfigError(f"--{key} expects {typ.__name__}, got {type(value).__name__} {value!r}.")
 
 
+def coerce(key: str, value: Any) -> Any:
+    """Convert ``value`` (a string from the command line, or a Python value) to the field's type."""
+    types = _field_types()
+    if key not in types:
+        raise _unknown_key(key)
+    if isinstance(value, str):
+        return _from_text(key, types[key], value)
+    return _from_python(key, types[key], value)
+
+
 def from_dict(values: dict[str, Any]) -> TrainConfig:
     """Build a validated config from keyword values (unknown keys and wrong types refused)."""
     return TrainConfig(**{k.replace("-", "_"): coerce(k.replace("-", "_"), v) for k, v in values.items()})
@@ -223,8 +231,6 @@ def from_dict(values: dict[str, Any]) -> TrainConfig:
 
 def help_text(prog: str = "python -m ddp_course.train") -> str:
     """``--help``: every field, its default and the comment written beside it."""
-    import inspect
-
     src = inspect.getsource(TrainConfig).splitlines()
     comments = {}
     for line in src:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import os
 import urllib.request
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 SHAKESPEARE_SHA256 = "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"
 SHAKESPEARE_FILE = "tinyshakespeare.txt"
+Batch = Sequence[torch.Tensor]  # (x, y): token ids and their next-token targets, each (B, T)
 
 
 class CorpusError(RuntimeError):
@@ -88,7 +90,7 @@ def find_shakespeare(download: bool = True) -> tuple[Path | None, str]:
         return None, f"{reason}; not in {cached.parent}; download failed ({exc})"
 
 
-def load_corpus(name: str = "tinyshakespeare", announce=print) -> Corpus:
+def load_corpus(name: str = "tinyshakespeare", announce: Callable[[str], object] = print) -> Corpus:
     """Return the corpus text. ``name`` is tinyshakespeare, offline, or a path to a text file."""
     if name == "offline":
         return Corpus("offline", offline_text(), "pydoc_data.topics (ships with Python)")
@@ -115,7 +117,7 @@ def load_corpus(name: str = "tinyshakespeare", announce=print) -> Corpus:
 class CharTokenizer:
     """One token per distinct character of the corpus (vocabulary sorted, so it is reproducible)."""
 
-    def __init__(self, chars: str):
+    def __init__(self, chars: str) -> None:
         self.chars = "".join(sorted(set(chars)))
         self.stoi = {c: i for i, c in enumerate(self.chars)}
 
@@ -133,7 +135,7 @@ class CharTokenizer:
         except KeyError as exc:
             raise ValueError(f"character {exc.args[0]!r} is not in the vocabulary") from None
 
-    def decode(self, ids) -> str:
+    def decode(self, ids: Iterable[int] | torch.Tensor) -> str:
         if isinstance(ids, torch.Tensor):
             ids = ids.tolist()
         return "".join(self.chars[i] for i in ids)
@@ -151,7 +153,7 @@ class TokenWindows(Dataset):
     The target is the input shifted by one: the model learns to predict every next character.
     """
 
-    def __init__(self, tokens: torch.Tensor, block_size: int, stride: int | None = None):
+    def __init__(self, tokens: torch.Tensor, block_size: int, stride: int | None = None) -> None:
         self.tokens = tokens
         self.block_size = block_size
         self.stride = stride or block_size
@@ -177,7 +179,8 @@ class Data:
     val: TokenWindows
 
 
-def prepare(corpus: str, block_size: int, val_fraction: float, announce=print) -> Data:
+def prepare(corpus: str, block_size: int, val_fraction: float, announce: Callable[[str], object] = print) -> Data:
+    """The corpus, its character tokenizer, and the train/validation windows of ``block_size`` tokens."""
     c = load_corpus(corpus, announce=announce)
     tok = CharTokenizer.from_text(c.text)
     ids = torch.tensor(tok.encode(c.text), dtype=torch.long)
@@ -196,7 +199,7 @@ def train_sampler(ds: Dataset, rank: int, world_size: int, seed: int) -> Distrib
 
 
 def train_batches(ds: Dataset, batch_size: int, rank: int, world_size: int, seed: int,
-                  start_batch: int = 0, num_workers: int = 0, pin_memory: bool = False):
+                  start_batch: int = 0, num_workers: int = 0, pin_memory: bool = False) -> Iterator[Batch]:
     """Yield this rank's (x, y) batches forever, epoch after epoch, starting at global batch index
     ``start_batch`` (so a resumed run continues mid-epoch). Shuffle lives in the sampler, never in
     the DataLoader."""
@@ -216,7 +219,7 @@ def train_batches(ds: Dataset, batch_size: int, rank: int, world_size: int, seed
 
 
 def stream_offsets(n_tokens: int, block_size: int, batch_size: int, rank: int, world_size: int, seed: int,
-                   start_batch: int = 0):
+                   start_batch: int = 0) -> Iterator[torch.Tensor]:
     """This rank's window start offsets, batch after batch, forever: the streaming alternative.
 
     Every rank owns a generator seeded with the same ``seed``; each step it draws the start offsets
@@ -239,7 +242,7 @@ def stream_offsets(n_tokens: int, block_size: int, batch_size: int, rank: int, w
 
 
 def stream_batches(tokens: torch.Tensor, block_size: int, batch_size: int, rank: int, world_size: int,
-                   seed: int, start_batch: int = 0, pin_memory: bool = False):
+                   seed: int, start_batch: int = 0, pin_memory: bool = False) -> Iterator[Batch]:
     """Yield this rank's (x, y) batches of windows at the offsets of :func:`stream_offsets`.
 
     ``pin_memory`` (for a GPU) puts each batch in page-locked memory, as the DataLoader's option of
@@ -251,7 +254,7 @@ def stream_batches(tokens: torch.Tensor, block_size: int, batch_size: int, rank:
         yield (x.pin_memory(), y.pin_memory()) if pin_memory else (x, y)
 
 
-def val_batches(ds: Dataset, batch_size: int, n_batches: int, rank: int, world_size: int):
+def val_batches(ds: Dataset, batch_size: int, n_batches: int, rank: int, world_size: int) -> list[Batch]:
     """A fixed validation subset, split across ranks (rank r takes windows r, r+W, ...)."""
     n = min(len(ds), batch_size * n_batches * world_size)
     idx = list(range(rank, n, world_size))

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ddp_course.config import from_dict, to_cli
+from ddp_course.config import ConfigError, from_dict, to_cli
 from ddp_course.dist import choose_device, cpu_count
 from ddp_course.metrics import read_jsonl, write_json
 from ddp_course.paths import shorten
@@ -42,7 +42,7 @@ RECORD = "launch.json"  # how a job ended, written into its folder: Run.load rea
 class LaunchError(RuntimeError):
     """A launched job failed. ``str(err)`` explains; ``.run`` holds the output and exit code."""
 
-    def __init__(self, message: str, run: Run):
+    def __init__(self, message: str, run: Run) -> None:
         super().__init__(message)
         self.run = run
 
@@ -118,8 +118,12 @@ def torchrun_command(module: str, nproc: int, args: list[str], log_dir: Path | N
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
     if log_dir is not None:
         cmd.append(f"--log-dir={log_dir}")
-    target = [str(Path(module).resolve())] if is_script(module) else ["-m", module]
-    return [*cmd, *(extra or []), *target, *args]
+    return [*cmd, *(extra or []), *_target(module), *args]
+
+
+def _target(module: str) -> list[str]:
+    """What follows ``python`` (or torchrun's options): the script's absolute path, or ``-m module``."""
+    return [str(Path(module).resolve())] if is_script(module) else ["-m", module]
 
 
 def _job_processes(job_id: str) -> list[int]:
@@ -235,10 +239,181 @@ def _validate_train(overrides: dict[str, Any], nproc: int) -> None:
     cfg.resolve_batch(nproc)
     choose_device(cfg.device, nproc)
     if cfg.strategy in ONE_PROCESS and nproc > 1:
-        from ddp_course.config import ConfigError
-
         raise ConfigError(f"strategy={cfg.strategy!r} runs in one process, but nproc={nproc}. "
                           "Use strategy='ddp' for several processes, or nproc=1.")
+
+
+def _check_arguments(nproc: int, echo: str) -> None:
+    if nproc < 1:
+        raise ValueError(f"nproc must be at least 1 (got {nproc}).")
+    if echo not in ("rank0", "all", "none"):
+        raise ValueError(f"echo must be 'rank0', 'all' or 'none' (got {echo!r}).")
+
+
+def _out_path(module: str, nproc: int, out_dir: str | os.PathLike | None, overrides: dict[str, Any]) -> Path | None:
+    """The job's folder, absolute; a training run without one gets ``runs/<strategy>-<N>p-<time>-<id>``."""
+    if out_dir is None and module == TRAIN_MODULE:
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        out_dir = Path("runs") / f"{overrides.get('strategy', 'single')}-{nproc}p-{stamp}-{uuid.uuid4().hex[:4]}"
+    return Path(out_dir).resolve() if out_dir is not None else None
+
+
+@dataclass
+class _Job:
+    """One launch: what runs, where it writes, and the id that every one of its processes carries."""
+
+    module: str
+    nproc: int
+    command: list[str]
+    out_path: Path | None
+    overrides: dict[str, Any]
+    job_id: str
+    log_dir: Path | None  # torchrun's --log-dir (its workers' error.json files), None without torchrun
+
+    def result(self, returncode: int | None, output: list[str], elapsed_s: float) -> Run:
+        return Run(self.module, self.nproc, self.command, self.out_path, returncode, "\n".join(output), elapsed_s,
+                   self.overrides)
+
+
+def _job(module: str, nproc: int, overrides: dict[str, Any], out_path: Path | None, use_torchrun: bool,
+         torchrun_args: list[str] | None) -> _Job:
+    """The command line: torchrun (logging into ``<out_dir>/torchrun_logs/<id>``), or one plain ``python``."""
+    args, job_id = to_cli(overrides), uuid.uuid4().hex
+    if use_torchrun:
+        base = out_path if out_path is not None else Path.cwd() / "runs"
+        log_dir = base / "torchrun_logs" / job_id[:8]
+        cmd = torchrun_command(module, nproc, args, log_dir, torchrun_args)
+        return _Job(module, nproc, cmd, out_path, overrides, job_id, log_dir)
+    if nproc != 1:
+        raise ValueError("use_torchrun=False runs exactly one process: pass nproc=1.")
+    return _Job(module, nproc, [sys.executable, *_target(module), *args], out_path, overrides, job_id, None)
+
+
+def _environment(nproc: int, job_id: str, torchrun_args: list[str] | None, env: dict[str, str] | None
+                 ) -> dict[str, str]:
+    """This process's environment, unbuffered, the cores shared among the ``nproc`` processes, the job id."""
+    threads = str(max(1, cpu_count() // nproc))
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": threads, _JOB_VAR: job_id}
+    if any(a.startswith("--max-restarts") or a.startswith("--max_restarts") for a in torchrun_args or []):
+        # Restarted workers would otherwise reuse torchrun's rendezvous store, which still holds the
+        # first attempt's addresses, and fail to connect (lesson 08 shows it).
+        full_env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    full_env.update(env or {})
+    return full_env
+
+
+def _clear_outputs(out_path: Path, resume: bool) -> None:
+    """Create the job's folder; remove the last job's record and, unless resuming, its numbers."""
+    out_path.mkdir(parents=True, exist_ok=True)
+    (out_path / RECORD).unlink(missing_ok=True)
+    if not resume:  # a re-run must not show the last run's numbers
+        for stale in ("metrics.jsonl", "summary.json"):
+            (out_path / stale).unlink(missing_ok=True)
+
+
+class _Progress:
+    """A tqdm bar that follows ``metrics.jsonl``: steps done and the last logged loss."""
+
+    def __init__(self, total: int, desc: str, metrics_path: Path) -> None:
+        from tqdm.auto import tqdm
+
+        self.bar = tqdm(total=total, desc=desc, unit="step", leave=True)
+        self.metrics_path = metrics_path
+        self.seen_step = 0
+
+    def update(self) -> None:
+        rows = [r for r in read_jsonl(self.metrics_path) if "loss" in r]
+        if rows and rows[-1]["step"] > self.seen_step:
+            self.bar.update(rows[-1]["step"] - self.seen_step)
+            self.seen_step = rows[-1]["step"]
+            self.bar.set_postfix(loss=f"{rows[-1]['loss']:.3f}", refresh=False)
+
+
+def _echo(line: str, echo: str, progress: _Progress | None) -> None:
+    """Print one line of the job's output as ``echo`` asks (above the progress bar when there is one)."""
+    if echo == "none":
+        return
+    m = _RANK_PREFIX.match(line)
+    if echo == "rank0" and m and m.group(1) != "0":
+        return  # another rank's line ("[rank 1] ..." from log(), "[rank1]: ..." from torch)
+    if echo == "rank0" and progress is not None and line.startswith("step "):
+        return  # the bar shows progress and loss; every logged step is in run.metrics
+    line = shorten(line)  # a traceback names files by the machine's paths: print them as the course does
+    if progress is not None:
+        progress.bar.write(line)
+    else:
+        print(line, flush=True)
+
+
+def _start(cmd: list[str], env: dict[str, str]) -> tuple[subprocess.Popen, queue.Queue[str | None]]:
+    """Start the job in a session of its own; a thread moves its output lines into a queue (None: the end)."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                            env=env, text=True, bufsize=1, start_new_session=True)
+    lines: queue.Queue[str | None] = queue.Queue()
+
+    def pump() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.put(line.rstrip("\n"))
+        lines.put(None)
+
+    threading.Thread(target=pump, daemon=True).start()
+    return proc, lines
+
+
+def _drain(lines: queue.Queue[str | None], output: list[str], echo: str, progress: _Progress | None) -> bool:
+    """Move the lines waiting in the queue (up to 0.2 s for the first) to ``output``; True at the end of output."""
+    try:
+        item = lines.get(timeout=0.2)
+        while item is not None:
+            output.append(item)
+            _echo(item, echo, progress)
+            item = lines.get_nowait()
+        return True
+    except queue.Empty:
+        return False
+
+
+def _timed_out(job: _Job, proc: subprocess.Popen, output: list[str], timeout: float, start: float) -> LaunchTimeout:
+    """Stop the whole job; the error that says it ran past ``timeout`` seconds, with its last lines."""
+    stop_job(proc, job.job_id)
+    return LaunchTimeout(f"The job `{job.module}` with {job.nproc} process(es) ran past its timeout of "
+                         f"{timeout:.0f}s and was stopped (all of its processes). A collective waiting "
+                         "on a rank that never arrives looks like this; the last lines of output:\n"
+                         + "\n".join(output[-20:]), job.result(proc.returncode, output, time.monotonic() - start))
+
+
+def _stream(job: _Job, proc: subprocess.Popen, lines: queue.Queue[str | None], *, echo: str,
+            progress: _Progress | None, timeout: float | None, start: float) -> list[str]:
+    """Follow the job to its end: echo its lines, move the bar; on timeout or Ctrl-C stop all of it."""
+    output: list[str] = []
+    try:
+        finished = False
+        while not finished:
+            finished = _drain(lines, output, echo, progress)
+            if progress is not None:
+                progress.update()
+            if timeout is not None and time.monotonic() - start > timeout:
+                raise _timed_out(job, proc, output, timeout, start)
+        proc.wait()
+    except KeyboardInterrupt:
+        stop_job(proc, job.job_id)
+        print(f"Interrupted: stopped the job `{job.module}` and all {job.nproc} of its processes.", file=sys.stderr)
+        raise
+    finally:
+        if proc.poll() is None:
+            stop_job(proc, job.job_id)
+        if progress is not None:
+            progress.bar.close()
+    return output
+
+
+def _write_record(run_: Run, env: dict[str, str] | None) -> None:
+    """``launch.json`` in the job's folder: how it ended (:meth:`Run.load` reads it back)."""
+    assert run_.out_dir is not None
+    write_json(run_.out_dir / RECORD, {"module": run_.module, "nproc": run_.nproc, "command": run_.command,
+                                       "overrides": run_.overrides, "env": env or {}, "returncode": run_.returncode,
+                                       "output": run_.output, "elapsed_s": run_.elapsed_s})
 
 
 def run(module: str = TRAIN_MODULE, nproc: int = 2, *, out_dir: str | os.PathLike | None = None,
@@ -256,128 +431,31 @@ def run(module: str = TRAIN_MODULE, nproc: int = 2, *, out_dir: str | os.PathLik
       a one-process strategy (single, dp) starts plain ``python -m`` (faster).
     - ``check``: raise :class:`LaunchError` when the job fails (else return the failed Run).
     """
-    if nproc < 1:
-        raise ValueError(f"nproc must be at least 1 (got {nproc}).")
-    if echo not in ("rank0", "all", "none"):
-        raise ValueError(f"echo must be 'rank0', 'all' or 'none' (got {echo!r}).")
+    _check_arguments(nproc, echo)
     is_train = module == TRAIN_MODULE
-    if out_dir is None and is_train:
-        stamp = time.strftime("%Y%m%d-%H%M%S")
-        out_dir = Path("runs") / f"{overrides.get('strategy', 'single')}-{nproc}p-{stamp}-{uuid.uuid4().hex[:4]}"
-    out_path = Path(out_dir).resolve() if out_dir is not None else None
+    out_path = _out_path(module, nproc, out_dir, overrides)
+    if out_path is not None:
+        overrides = {**overrides, "out_dir": str(out_path)}
     if is_train:
-        overrides = {**overrides, "out_dir": str(out_path)}
         _validate_train(overrides, nproc)
-    elif out_path is not None:
-        overrides = {**overrides, "out_dir": str(out_path)}
     if use_torchrun is None:
         use_torchrun = nproc > 1 or overrides.get("strategy", "single") not in ONE_PROCESS
-
-    args = to_cli(overrides)
-    job_id = uuid.uuid4().hex
-    log_dir = None
-    if use_torchrun:
-        base = out_path if out_path is not None else Path.cwd() / "runs"
-        log_dir = base / "torchrun_logs" / job_id[:8]
-        cmd = torchrun_command(module, nproc, args, log_dir, torchrun_args)
-    else:
-        if nproc != 1:
-            raise ValueError("use_torchrun=False runs exactly one process: pass nproc=1.")
-        target = [str(Path(module).resolve())] if is_script(module) else ["-m", module]
-        cmd = [sys.executable, *target, *args]
-    threads = str(max(1, cpu_count() // nproc))
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": threads, _JOB_VAR: job_id}
-    if any(a.startswith("--max-restarts") or a.startswith("--max_restarts") for a in torchrun_args or []):
-        # Restarted workers would otherwise reuse torchrun's rendezvous store, which still holds the
-        # first attempt's addresses, and fail to connect (lesson 08 shows it).
-        full_env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-    full_env.update(env or {})
+    job = _job(module, nproc, overrides, out_path, use_torchrun, torchrun_args)
+    full_env = _environment(nproc, job.job_id, torchrun_args, env)
     if out_path is not None:
-        out_path.mkdir(parents=True, exist_ok=True)
-        (out_path / RECORD).unlink(missing_ok=True)
-        for stale in ("metrics.jsonl", "summary.json"):  # a re-run must not show the last run's numbers
-            if not overrides.get("resume"):
-                (out_path / stale).unlink(missing_ok=True)
+        _clear_outputs(out_path, bool(overrides.get("resume")))
 
     total = int(overrides.get("max_steps", 0)) if is_train else 0
     bar = None
     if progress and out_path is not None and total > 0:
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=total, desc=f"{overrides.get('strategy', module)} x{nproc}", unit="step", leave=True)
-
-    lines: queue.Queue[str | None] = queue.Queue()
-    output: list[str] = []
+        bar = _Progress(total, f"{overrides.get('strategy', module)} x{nproc}", out_path / "metrics.jsonl")
     start = time.monotonic()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                            env=full_env, text=True, bufsize=1, start_new_session=True)
+    proc, lines = _start(job.command, full_env)
+    output = _stream(job, proc, lines, echo=echo, progress=bar, timeout=timeout, start=start)
 
-    def pump() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            lines.put(line.rstrip("\n"))
-        lines.put(None)
-
-    reader = threading.Thread(target=pump, daemon=True)
-    reader.start()
-
-    def show(line: str) -> None:
-        if echo == "none":
-            return
-        m = _RANK_PREFIX.match(line)
-        if echo == "rank0" and m and m.group(1) != "0":
-            return  # another rank's line ("[rank 1] ..." from log(), "[rank1]: ..." from torch)
-        if echo == "rank0" and bar is not None and line.startswith("step "):
-            return  # the bar shows progress and loss; every logged step is in run.metrics
-        line = shorten(line)  # a traceback names files by the machine's paths: print them as the course does
-        if bar is not None:
-            bar.write(line)
-        else:
-            print(line, flush=True)
-
-    metrics_path = out_path / "metrics.jsonl" if out_path is not None else None
-    seen_step = 0
-    try:
-        finished = False
-        while not finished:
-            try:
-                item = lines.get(timeout=0.2)
-                while item is not None:
-                    output.append(item)
-                    show(item)
-                    item = lines.get_nowait()
-                finished = item is None
-            except queue.Empty:
-                pass
-            if bar is not None and metrics_path is not None:
-                rows = [r for r in read_jsonl(metrics_path) if "loss" in r]
-                if rows and rows[-1]["step"] > seen_step:
-                    bar.update(rows[-1]["step"] - seen_step)
-                    seen_step = rows[-1]["step"]
-                    bar.set_postfix(loss=f"{rows[-1]['loss']:.3f}", refresh=False)
-            if timeout is not None and time.monotonic() - start > timeout:
-                stop_job(proc, job_id)
-                r = Run(module, nproc, cmd, out_path, proc.returncode, "\n".join(output),
-                        time.monotonic() - start, overrides)
-                raise LaunchTimeout(f"The job `{module}` with {nproc} process(es) ran past its timeout of "
-                                    f"{timeout:.0f}s and was stopped (all of its processes). A collective waiting "
-                                    "on a rank that never arrives looks like this; the last lines of output:\n"
-                                    + "\n".join(output[-20:]), r)
-        proc.wait()
-    except KeyboardInterrupt:
-        stop_job(proc, job_id)
-        print(f"Interrupted: stopped the job `{module}` and all {nproc} of its processes.", file=sys.stderr)
-        raise
-    finally:
-        if proc.poll() is None:
-            stop_job(proc, job_id)
-        if bar is not None:
-            bar.close()
-    run_ = Run(module, nproc, cmd, out_path, proc.returncode, "\n".join(output), time.monotonic() - start, overrides)
+    run_ = job.result(proc.returncode, output, time.monotonic() - start)
     if out_path is not None:
-        write_json(out_path / RECORD, {"module": module, "nproc": nproc, "command": cmd, "overrides": overrides,
-                                       "env": env or {}, "returncode": proc.returncode, "output": run_.output,
-                                       "elapsed_s": run_.elapsed_s})
+        _write_record(run_, env)
     if check and proc.returncode != 0:
-        raise LaunchError(_explain_failure(run_, log_dir), run_)
+        raise LaunchError(_explain_failure(run_, job.log_dir), run_)
     return run_

@@ -93,7 +93,7 @@ def environment() -> dict[str, Any]:
 class MetricsWriter:
     """Writes ``metrics.jsonl`` (one flushed line per row) on rank 0; a no-op elsewhere."""
 
-    def __init__(self, out_dir: str | os.PathLike, enabled: bool, append: bool = False):
+    def __init__(self, out_dir: str | os.PathLike, enabled: bool, append: bool = False) -> None:
         self.enabled = enabled
         self.path = Path(out_dir) / "metrics.jsonl"
         self._fh = None

@@ -9,11 +9,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
+
+if TYPE_CHECKING:
+    from ddp_course.config import TrainConfig
 
 
 @dataclass(frozen=True)
@@ -27,13 +31,13 @@ class GPTConfig:
     activation_checkpointing: bool = False
 
     @classmethod
-    def from_train(cls, cfg, vocab_size: int) -> GPTConfig:
+    def from_train(cls, cfg: TrainConfig, vocab_size: int) -> GPTConfig:
         return cls(vocab_size=vocab_size, block_size=cfg.block_size, n_layer=cfg.n_layer, n_head=cfg.n_head,
                    n_embd=cfg.n_embd, dropout=cfg.dropout, activation_checkpointing=cfg.activation_checkpointing)
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, cfg: GPTConfig):
+    def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         assert cfg.n_embd % cfg.n_head == 0
         self.n_head = cfg.n_head
@@ -54,7 +58,7 @@ class CausalSelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: GPTConfig):
+    def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd)
         self.proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd)
@@ -67,7 +71,7 @@ class MLP(nn.Module):
 class Block(nn.Module):
     """Pre-norm residual block: x + attn(ln(x)), then x + mlp(ln(x))."""
 
-    def __init__(self, cfg: GPTConfig):
+    def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.ln1 = nn.LayerNorm(cfg.n_embd)
         self.attn = CausalSelfAttention(cfg)
@@ -80,7 +84,7 @@ class Block(nn.Module):
 
 
 class MiniGPT(nn.Module):
-    def __init__(self, cfg: GPTConfig):
+    def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.cfg = cfg
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.n_embd)
@@ -104,7 +108,8 @@ class MiniGPT(nn.Module):
         elif isinstance(m, nn.Embedding):
             nn.init.normal_(m.weight, mean=0.0, std=0.02)
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """idx (B, T) token ids -> logits (B, T, V); with targets (B, T), also the mean cross-entropy."""
         B, T = idx.shape
         if T > self.cfg.block_size:

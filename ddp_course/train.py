@@ -19,16 +19,19 @@ import math
 import os
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from ddp_course import checkpoint, parallel
 from ddp_course.config import ConfigError, TrainConfig, parse_cli
-from ddp_course.data import CorpusError, prepare, stream_batches, train_batches, val_batches
+from ddp_course.data import Batch, CorpusError, Data, prepare, stream_batches, train_batches, val_batches
 from ddp_course.dist import DeviceError, DistInfo, all_reduce_mean, log, seed_everything, setup
 from ddp_course.metrics import MetricsWriter, environment, mfu, peak_memory, reset_peak_memory, write_json
 from ddp_course.model import GPTConfig, MiniGPT
@@ -46,12 +49,13 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.lr - cfg.min_lr)
 
 
-def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:
+def build_optimizer(model: nn.Module, cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:
     """AdamW with weight decay on matrices only (not on biases, LayerNorm gains or position tables)."""
+    ndims = parallel.param_ndims(model)  # as the model defined them (FSDP1 shows flat 1-D shards)
     decay, no_decay = [], []
-    for p in model.parameters():
+    for name, p in model.named_parameters():
         if p.requires_grad:
-            (decay if parallel.ndim(p) >= 2 else no_decay).append(p)
+            (decay if ndims[name] >= 2 else no_decay).append(p)
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     # fused on CUDA: one kernel for the whole update. On CPU, PyTorch's default path (one tensor at a
     # time) is kept, so CPU results stay comparable across the torch versions the course supports.
@@ -59,7 +63,7 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.devi
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), fused=fused)
 
 
-def autocast(device: torch.device, precision: str):
+def autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager:
     """Autocast to bf16/fp16 on this device type, or nothing for fp32.
 
     fp32 stays IEEE fp32 on a GPU too: the course leaves PyTorch's default float32 matmul precision
@@ -72,12 +76,13 @@ def autocast(device: torch.device, precision: str):
     return torch.autocast(device_type=device.type, dtype=DTYPES[precision])
 
 
-def make_scaler(device: torch.device, precision: str):
+def make_scaler(device: torch.device, precision: str) -> torch.amp.GradScaler | None:
     """fp16 needs loss scaling (its range is narrow); bf16 and fp32 do not."""
     return torch.amp.GradScaler(device.type) if precision == "fp16" else None
 
 
-def train_step(model, optimizer, scaler, micro_batches: Iterable, *, device: torch.device, precision: str,
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None,
+               micro_batches: Iterable[tuple[torch.Tensor, torch.Tensor]], *, device: torch.device, precision: str,
                grad_clip: float, no_sync: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One optimizer step over K micro-batches; returns (mean loss, gradient norm) as tensors.
 
@@ -109,7 +114,8 @@ def train_step(model, optimizer, scaler, micro_batches: Iterable, *, device: tor
 
 
 @torch.no_grad()
-def evaluate(model, batches, info: DistInfo, precision: str) -> float:
+def evaluate(model: nn.Module, batches: Sequence[Batch], info: DistInfo,
+             precision: str) -> float:
     """Mean validation loss over this rank's batches, averaged over ranks (one all_reduce)."""
     model.eval()
     total = torch.zeros((), device=info.device, dtype=torch.float64 if info.device.type == "cpu" else torch.float32)
@@ -122,180 +128,318 @@ def evaluate(model, batches, info: DistInfo, precision: str) -> float:
 
 
 def _check_precision(cfg: TrainConfig, device: torch.device) -> None:
+    """Refuse bf16 on a GPU without bfloat16 support, before anything is built."""
     if cfg.precision == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
         raise DeviceError("--precision=bf16 needs a GPU with bfloat16 support (Ampere or newer); "
                           "use --precision=fp16 (with its GradScaler) or fp32 on this GPU.")
 
 
 def _shape(cfg: TrainConfig, vocab_size: int) -> dict[str, int]:
+    """The model's shape, saved with each checkpoint so that a resume into another shape is refused."""
     return {"block_size": cfg.block_size, "n_layer": cfg.n_layer, "n_head": cfg.n_head,
             "n_embd": cfg.n_embd, "vocab_size": vocab_size}
 
 
-def run_training(cfg: TrainConfig, info: DistInfo) -> dict:
-    """The loop itself, inside an initialised process group (or a single process)."""
-    cfg = cfg.replace()  # never mutate the caller's config
-    cfg.resolve_batch(info.world_size)
-    device = info.device
-    _check_precision(cfg, device)
-    out_dir = Path(cfg.out_dir)
+@dataclass
+class _Job:
+    """What one training run is made of: built once by :func:`_build`, read by the loop's helpers."""
+
+    cfg: TrainConfig
+    info: DistInfo
+    data: Data
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler | None
+    n_params: int
+    flops_per_token: float
+    n_devices: int  # devices doing the arithmetic, for MFU: one per rank, or all of DataParallel's replicas
+
+    @property
+    def device(self) -> torch.device:
+        return self.info.device
+
+    @property
+    def out_dir(self) -> Path:
+        return Path(self.cfg.out_dir)
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.cfg.global_batch(self.info.world_size) * self.cfg.block_size
+
+    @property
+    def shape(self) -> dict[str, int]:
+        return _shape(self.cfg, self.data.tokenizer.vocab_size)
+
+    def mfu(self, tokens_per_s: float) -> float | None:
+        """Model FLOPs utilisation at this throughput (None where the device's peak is unknown)."""
+        return mfu(self.flops_per_token, tokens_per_s, self.n_devices, self.device, self.cfg.precision)
+
+
+def _announce(cfg: TrainConfig, info: DistInfo) -> None:
+    """One line: processes, device, strategy, precision and how the global batch is made up."""
     global_batch = cfg.global_batch(info.world_size)
-    tokens_per_step = global_batch * cfg.block_size
     log(f"[ddp_course] {info.world_size} process(es) on {info.device_reason}; strategy={cfg.strategy}, "
         f"precision={cfg.precision}, global batch {cfg.micro_batch_size} x {cfg.grad_accum_steps} accum x "
-        f"{info.world_size} rank(s) = {global_batch} sequences ({tokens_per_step} tokens) per step")
+        f"{info.world_size} rank(s) = {global_batch} sequences ({global_batch * cfg.block_size} tokens) per step")
 
+
+def _build(cfg: TrainConfig, info: DistInfo) -> _Job:
+    """Data, the model (same seed on every rank: identical initial models), the strategy, AdamW, scaler."""
     data = prepare(cfg.corpus, cfg.block_size, cfg.val_fraction, announce=log)
-    seed_everything(cfg.seed)  # same seed on every rank: identical initial models
-    model = MiniGPT(GPTConfig.from_train(cfg, data.tokenizer.vocab_size)).to(device)
+    seed_everything(cfg.seed)
+    model = MiniGPT(GPTConfig.from_train(cfg, data.tokenizer.vocab_size)).to(info.device)
     n_params, flops_per_token = model.num_params(), model.flops_per_token()
     if cfg.compile:
         model = torch.compile(model)
     model = parallel.wrap(model, info, cfg)
-    # devices doing the arithmetic, for MFU: one per rank, or all of DataParallel's replicas
     n_devices = info.world_size * len(getattr(model, "device_ids", None) or [0])
-    optimizer = build_optimizer(model, cfg, device)
-    scaler = make_scaler(device, cfg.precision)
-    shape = _shape(cfg, data.tokenizer.vocab_size)
+    return _Job(cfg, info, data, model, build_optimizer(model, cfg, info.device), make_scaler(info.device, cfg.precision),
+                n_params, flops_per_token, n_devices)
 
-    start_step = start_batch = 0
-    if cfg.resume:
-        path = checkpoint.latest(out_dir)
-        if path is None:
-            log(f"[ddp_course] --resume: no checkpoint in {show(checkpoint.ckpt_dir(out_dir))}; starting from step 0")
-        else:  # every rank loads (a collective); model, optimizer, scaler, this rank's RNG, data position
-            meta = checkpoint.resume(path, model, optimizer, scaler, info, shape)
-            start_step = meta["step"]
-            start_batch = checkpoint.start_batch(meta, micro_batch_size=cfg.micro_batch_size,
-                                                 world_size=info.world_size, grad_accum_steps=cfg.grad_accum_steps)
-            dropped = checkpoint.drop_metrics_after(out_dir, start_step) if info.is_main else 0
-            log(f"[ddp_course] resumed from {show(path)} at step {start_step} (saved by {meta['world_size']} rank(s); "
-                f"data from micro-batch {start_batch}{f'; {dropped} metrics rows after it dropped' if dropped else ''})")
 
-    if info.is_main:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        write_json(out_dir / "config.json", {
-            **cfg.to_dict(), "world_size": info.world_size, "backend": info.backend, "device": str(device),
-            "device_reason": info.device_reason, "corpus_source": data.corpus.source,
-            "vocab_size": data.tokenizer.vocab_size, "n_params": n_params, "flops_per_token": flops_per_token,
-            "global_batch_size_resolved": global_batch, "tokens_per_step": tokens_per_step,
-            "versions": environment()})
-        log(f"[ddp_course] corpus {data.corpus.name} from {show(data.corpus.source)}: {len(data.corpus.text):,} characters,"
-            f" vocabulary {data.tokenizer.vocab_size}; model {n_params:,} parameters")
-    metrics = MetricsWriter(out_dir, enabled=info.is_main, append=start_step > 0)
+def _resume(job: _Job) -> tuple[int, int, dict[str, Any] | None]:
+    """With ``--resume``: load the latest checkpoint; returns (start step, start micro-batch, its metadata).
 
-    pin = device.type == "cuda"
+    Every rank loads (a collective): model, optimizer, scaler, this rank's RNG, the data position.
+    Rank 0 drops the metrics rows written after the checkpoint's step.
+    """
+    cfg, info = job.cfg, job.info
+    path = checkpoint.latest(job.out_dir) if cfg.resume else None
+    if path is None:
+        if cfg.resume:
+            log(f"[ddp_course] --resume: no checkpoint in {show(checkpoint.ckpt_dir(job.out_dir))}; starting from step 0")
+        return 0, 0, None
+    meta = checkpoint.resume(path, job.model, job.optimizer, job.scaler, info, job.shape)
+    start_step = meta["step"]
+    start_batch = checkpoint.start_batch(meta, micro_batch_size=cfg.micro_batch_size,
+                                         world_size=info.world_size, grad_accum_steps=cfg.grad_accum_steps)
+    dropped = checkpoint.drop_metrics_after(job.out_dir, start_step) if info.is_main else 0
+    log(f"[ddp_course] resumed from {show(path)} at step {start_step} (saved by {meta['world_size']} rank(s); "
+        f"data from micro-batch {start_batch}{f'; {dropped} metrics rows after it dropped' if dropped else ''})")
+    return start_step, start_batch, meta
+
+
+def _write_config(job: _Job) -> None:
+    """Rank 0: ``config.json`` (every option, the world, the corpus, the model's size, versions)."""
+    cfg, info, data = job.cfg, job.info, job.data
+    job.out_dir.mkdir(parents=True, exist_ok=True)
+    write_json(job.out_dir / "config.json", {
+        **cfg.to_dict(), "world_size": info.world_size, "backend": info.backend, "device": str(job.device),
+        "device_reason": info.device_reason, "corpus_source": data.corpus.source,
+        "vocab_size": data.tokenizer.vocab_size, "n_params": job.n_params, "flops_per_token": job.flops_per_token,
+        "global_batch_size_resolved": cfg.global_batch(info.world_size), "tokens_per_step": job.tokens_per_step,
+        "versions": environment()})
+    log(f"[ddp_course] corpus {data.corpus.name} from {show(data.corpus.source)}: {len(data.corpus.text):,} characters,"
+        f" vocabulary {data.tokenizer.vocab_size}; model {job.n_params:,} parameters")
+
+
+def _train_data(job: _Job, start_step: int, start_batch: int, meta: dict[str, Any] | None
+                ) -> tuple[Iterator[Batch], int | None]:
+    """This rank's training batches from ``start_batch`` on, and the micro-batches per epoch (sampler order)."""
+    cfg, info, data = job.cfg, job.info, job.data
+    pin = job.device.type == "cuda"
     if cfg.data_order == "stream":  # random windows, rank-offset slices of one draw (no sampler, no epochs)
-        train_iter = stream_batches(data.train.tokens, cfg.block_size, cfg.micro_batch_size, info.rank,
-                                    info.world_size, cfg.seed, start_batch=start_batch, pin_memory=pin)
+        batches = stream_batches(data.train.tokens, cfg.block_size, cfg.micro_batch_size, info.rank,
+                                 info.world_size, cfg.seed, start_batch=start_batch, pin_memory=pin)
     else:
-        train_iter = train_batches(data.train, cfg.micro_batch_size, info.rank, info.world_size, cfg.seed,
-                                   start_batch=start_batch, num_workers=cfg.num_workers,
-                                   pin_memory=pin)
+        batches = train_batches(data.train, cfg.micro_batch_size, info.rank, info.world_size, cfg.seed,
+                                start_batch=start_batch, num_workers=cfg.num_workers, pin_memory=pin)
     per_epoch = len(data.train) // info.world_size // cfg.micro_batch_size if cfg.data_order == "sampler" else None
     if start_step and per_epoch and start_batch % per_epoch:  # resumed mid-epoch: see the helper's docstring
-        train_iter = checkpoint.restore_rng_after_first(train_iter, meta, info)
-    val = val_batches(data.val, cfg.micro_batch_size, cfg.eval_batches, info.rank, info.world_size)
+        batches = checkpoint.restore_rng_after_first(batches, meta, info)
+    return batches, per_epoch
 
-    def sync() -> None:
+
+def _micro_batches(batches: Iterator[Batch], job: _Job
+                   ) -> list[Batch]:
+    """The next ``grad_accum_steps`` micro-batches, on the device (asynchronous copies from pinned memory)."""
+    pin = job.device.type == "cuda"
+    return [(x.to(job.device, non_blocking=pin), y.to(job.device, non_blocking=pin))
+            for x, y in (next(batches) for _ in range(job.cfg.grad_accum_steps))]
+
+
+def _inject_failure(cfg: TrainConfig, info: DistInfo, step: int) -> None:
+    """``--fail_at_step``: raise on ``fail_rank``, on torchrun's first attempt only (a restarted job can finish)."""
+    if (step == cfg.fail_at_step and info.rank == cfg.fail_rank
+            and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"):
+        raise RuntimeError(f"injected failure on rank {info.rank} at step {step} (--fail_at_step)")
+
+
+class _Clock:
+    """Training time and throughput, interval by interval; evaluation and checkpoints are left out."""
+
+    def __init__(self, tokens_per_step: int) -> None:
+        self.tokens_per_step = tokens_per_step
+        self.start = self.mark = time.perf_counter()
+        self.train_time = self.steady_time = 0.0
+        self.steady_tokens = self.intervals = 0
+
+    def interval(self, n_steps: int, device: torch.device) -> float:
+        """Close a logging interval of ``n_steps`` steps; returns its tokens/s (waits for the GPU first)."""
         if device.type == "cuda":
             torch.cuda.synchronize(device)
+        dt = time.perf_counter() - self.mark
+        self.train_time += dt
+        if self.intervals:  # the first interval holds warm-up (allocations, first kernels)
+            self.steady_time += dt
+            self.steady_tokens += self.tokens_per_step * n_steps
+        self.intervals += 1
+        return self.tokens_per_step * n_steps / dt
+
+    def restart(self) -> None:
+        """The next interval starts now."""
+        self.mark = time.perf_counter()
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Time spent inside is not training time (evaluation, checkpoints)."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.mark += time.perf_counter() - t0
+
+    def tokens_per_s(self, steps_run: int) -> float:
+        """Steady-state throughput (after the first interval), else over all of training."""
+        if self.steady_time > 0:
+            return self.steady_tokens / self.steady_time
+        return self.tokens_per_step * steps_run / self.train_time if self.train_time > 0 else 0.0
+
+
+def _train_row(job: _Job, step: int, loss: float, lr: float, tokens_per_s: float,
+               grad_norm: torch.Tensor | None) -> dict[str, Any]:
+    """One ``metrics.jsonl`` row: step, loss, lr, tokens/s, and the gradient norm and MFU where known."""
+    row: dict[str, Any] = {"step": step, "loss": loss, "lr": lr, "tokens_per_s": tokens_per_s}
+    if grad_norm is not None:
+        row["grad_norm"] = float(grad_norm)
+    u = job.mfu(tokens_per_s)
+    if u is not None:
+        row["mfu"] = u
+    return row
+
+
+def _save_checkpoint(job: _Job, step: int, per_epoch: int | None) -> None:
+    """Every rank calls it (collectives): the training state after ``step`` steps, with the data position."""
+    cfg, info = job.cfg, job.info
+    position = checkpoint.data_position(step, micro_batch_size=cfg.micro_batch_size, world_size=info.world_size,
+                                        grad_accum_steps=cfg.grad_accum_steps, batches_per_epoch=per_epoch)
+    path = checkpoint.save(job.out_dir, step, job.model, job.optimizer, job.scaler, info, job.shape,
+                           keep_last=cfg.keep_last, fmt=cfg.ckpt_format, position=position)
+    if path is not None:
+        log(f"[ddp_course] checkpoint {show(path)}")
+
+
+def _max_over_ranks(value: int, info: DistInfo) -> int:
+    """The largest ``value`` of any rank (one all_reduce MAX; every rank must call it)."""
+    t = torch.tensor([value], dtype=torch.float64 if info.device.type == "cpu" else torch.float32, device=info.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
+
+
+def _sample(job: _Job) -> str | None:
+    """``--sample_tokens`` characters from the trained model, on rank 0. Every rank calls it: FSDP gathers."""
+    if job.cfg.sample_tokens <= 0:
+        return None
+    sampler = parallel.gathered(job.model)
+    if not job.info.is_main:
+        return None
+    gen = torch.Generator(device=job.device).manual_seed(job.cfg.seed)
+    start = torch.tensor([job.data.tokenizer.encode("\n")], device=job.device)
+    out = sampler.generate(start, job.cfg.sample_tokens, temperature=0.8, top_k=20, generator=gen)
+    return job.data.tokenizer.decode(out[0, 1:])
+
+
+def _summary(job: _Job, clock: _Clock, steps_run: int, loss: float, val_loss: float | None) -> dict[str, Any]:
+    """``summary.json``: final losses, tokens, time, throughput, MFU, peak memory (and a sample)."""
+    cfg, info, device = job.cfg, job.info, job.device
+    wall = time.perf_counter() - clock.start
+    mem = peak_memory(device)
+    tokens_per_s = clock.tokens_per_s(steps_run)
+    summary = {
+        "final_loss": loss, "final_val_loss": val_loss, "steps": cfg.max_steps, "steps_run": steps_run,
+        "total_tokens": job.tokens_per_step * steps_run, "wall_time_s": wall, "tokens_per_s": tokens_per_s,
+        "mfu": job.mfu(tokens_per_s),
+        "world_size": info.world_size, "backend": info.backend, "device": str(device), **mem,
+    }
+    if info.is_distributed:  # the largest peak over ranks is the one that decides what fits
+        summary["peak_memory_bytes_max_rank"] = _max_over_ranks(mem["peak_memory_bytes"], info)
+    sample = _sample(job)
+    if sample is not None:
+        summary["sample"] = sample
+    return summary
+
+
+def _write_summary(job: _Job, summary: dict[str, Any]) -> None:
+    """Rank 0: ``summary.json`` and the closing line."""
+    path = job.out_dir / "summary.json"
+    write_json(path, summary)
+    val_loss = summary["final_val_loss"]
+    log(f"[ddp_course] done: {summary['steps_run']} steps in {summary['wall_time_s']:.1f}s, "
+        f"{summary['tokens_per_s']:,.0f} tokens/s, final loss {summary['final_loss']:.4f}, "
+        f"val_loss {val_loss if val_loss is None else round(val_loss, 4)}; wrote {show(path)}")
+
+
+def run_training(cfg: TrainConfig, info: DistInfo) -> dict[str, Any]:
+    """The loop itself, inside an initialised process group (or a single process). Returns the summary."""
+    cfg = cfg.replace()  # never mutate the caller's config
+    cfg.resolve_batch(info.world_size)
+    device = info.device
+    _check_precision(cfg, device)
+    _announce(cfg, info)
+    job = _build(cfg, info)
+    model, optimizer, scaler = job.model, job.optimizer, job.scaler
+    start_step, start_batch, meta = _resume(job)
+    if info.is_main:
+        _write_config(job)
+    metrics = MetricsWriter(job.out_dir, enabled=info.is_main, append=start_step > 0)
+    batches, per_epoch = _train_data(job, start_step, start_batch, meta)
+    val = val_batches(job.data.val, cfg.micro_batch_size, cfg.eval_batches, info.rank, info.world_size)
 
     reset_peak_memory(device)
     model.train()
-    t_start = time.perf_counter()
-    t_interval, train_time, steady_time, steady_tokens = t_start, 0.0, 0.0, 0
-    loss_avg, val_loss, first_interval, last_logged = float("nan"), None, True, start_step
+    clock = _Clock(job.tokens_per_step)
+    loss_avg, val_loss, last_logged = float("nan"), None, start_step
     interval_loss = torch.zeros((), device=device)
     for step in range(start_step, cfg.max_steps):
         lr = lr_at(step, cfg)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        micro = [(x.to(device, non_blocking=pin), y.to(device, non_blocking=pin))
-                 for x, y in (next(train_iter) for _ in range(cfg.grad_accum_steps))]
-        loss, grad_norm = train_step(model, optimizer, scaler, micro, device=device, precision=cfg.precision,
-                                     grad_clip=cfg.grad_clip, no_sync=cfg.no_sync)
+        loss, grad_norm = train_step(model, optimizer, scaler, _micro_batches(batches, job), device=device,
+                                     precision=cfg.precision, grad_clip=cfg.grad_clip, no_sync=cfg.no_sync)
         interval_loss += loss  # summed on the device: no sync until the next log row
+        _inject_failure(cfg, info, step)
         done = step + 1
-        # fault injection; only on torchrun's first attempt, so that a restarted job (--max-restarts) can finish
-        if (done - 1 == cfg.fail_at_step and info.rank == cfg.fail_rank
-                and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"):
-            raise RuntimeError(f"injected failure on rank {info.rank} at step {done - 1} (--fail_at_step)")
 
         if done % cfg.log_interval == 0 or done == cfg.max_steps:
-            n_steps, last_logged = done - last_logged, done
             # mean over the interval's steps and over ranks: a sync point, every rank takes part
-            loss_avg = all_reduce_mean(interval_loss / n_steps, info)
+            loss_avg = all_reduce_mean(interval_loss / (done - last_logged), info)
             interval_loss = torch.zeros((), device=device)
-            sync()
-            dt = time.perf_counter() - t_interval
-            tps = tokens_per_step * n_steps / dt
-            train_time += dt
-            if not first_interval:  # the first interval holds warm-up (allocations, first kernels)
-                steady_time += dt
-                steady_tokens += tokens_per_step * n_steps
-            first_interval = False
-            row = {"step": done, "loss": loss_avg, "lr": lr, "tokens_per_s": tps}
-            if grad_norm is not None:
-                row["grad_norm"] = float(grad_norm)
-            u = mfu(flops_per_token, tps, n_devices, device, cfg.precision)
-            if u is not None:
-                row["mfu"] = u
-            metrics.write(row)
+            tps = clock.interval(done - last_logged, device)
+            metrics.write(_train_row(job, done, loss_avg, lr, tps, grad_norm))
             log(f"step {done:>5}/{cfg.max_steps}  loss {loss_avg:.4f}  lr {lr:.2e}  {tps:,.0f} tok/s")
-            t_interval = time.perf_counter()
+            last_logged = done
+            clock.restart()
 
         if (cfg.eval_interval and done % cfg.eval_interval == 0) or done == cfg.max_steps:
-            t0 = time.perf_counter()
-            val_loss = evaluate(model, val, info, cfg.precision)
-            metrics.write({"step": done, "val_loss": val_loss})
-            log(f"step {done:>5}/{cfg.max_steps}  val_loss {val_loss:.4f}")
-            t_interval += time.perf_counter() - t0  # evaluation time is not training throughput
+            with clock.paused():  # evaluation time is not training throughput
+                val_loss = evaluate(model, val, info, cfg.precision)
+                metrics.write({"step": done, "val_loss": val_loss})
+                log(f"step {done:>5}/{cfg.max_steps}  val_loss {val_loss:.4f}")
 
         if cfg.ckpt_interval and done % cfg.ckpt_interval == 0:
-            t0 = time.perf_counter()
-            position = checkpoint.data_position(done, micro_batch_size=cfg.micro_batch_size, world_size=info.world_size,
-                                                grad_accum_steps=cfg.grad_accum_steps, batches_per_epoch=per_epoch)
-            path = checkpoint.save(out_dir, done, model, optimizer, scaler, info, shape, keep_last=cfg.keep_last,
-                                   fmt=cfg.ckpt_format, position=position)  # every rank calls it (collectives)
-            if path is not None:
-                log(f"[ddp_course] checkpoint {show(path)}")
-            t_interval += time.perf_counter() - t0
+            with clock.paused():
+                _save_checkpoint(job, done, per_epoch)
 
     if cfg.ckpt_interval:  # final.pt: the final parameters, for comparing runs (every rank calls it)
-        checkpoint.save_final(out_dir, cfg.max_steps, model, info)
-    wall = time.perf_counter() - t_start
-    mem = peak_memory(device)
-    steps_run = cfg.max_steps - start_step
-    tokens_per_s = steady_tokens / steady_time if steady_time > 0 else (
-        tokens_per_step * steps_run / train_time if train_time > 0 else 0.0)
-    summary = {
-        "final_loss": loss_avg, "final_val_loss": val_loss, "steps": cfg.max_steps, "steps_run": steps_run,
-        "total_tokens": tokens_per_step * steps_run, "wall_time_s": wall, "tokens_per_s": tokens_per_s,
-        "mfu": mfu(flops_per_token, tokens_per_s, n_devices, device, cfg.precision),
-        "world_size": info.world_size, "backend": info.backend, "device": str(device), **mem,
-    }
-    if info.is_distributed:  # the largest peak over ranks is the one that decides what fits
-        peak = torch.tensor([mem["peak_memory_bytes"]], dtype=torch.float64 if device.type == "cpu" else torch.float32,
-                            device=device)
-        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-        summary["peak_memory_bytes_max_rank"] = int(peak.item())
-    sampler = parallel.gathered(model) if cfg.sample_tokens > 0 else None  # every rank: FSDP gathers the full model
-    if sampler is not None and info.is_main:
-        gen = torch.Generator(device=device).manual_seed(cfg.seed)
-        start = torch.tensor([data.tokenizer.encode("\n")], device=device)
-        out = sampler.generate(start, cfg.sample_tokens, temperature=0.8, top_k=20, generator=gen)
-        summary["sample"] = data.tokenizer.decode(out[0, 1:])
+        checkpoint.save_final(job.out_dir, cfg.max_steps, model, info)
+    summary = _summary(job, clock, cfg.max_steps - start_step, loss_avg, val_loss)
     if info.is_main:
-        write_json(out_dir / "summary.json", summary)
-        log(f"[ddp_course] done: {steps_run} steps in {wall:.1f}s, {tokens_per_s:,.0f} tokens/s, "
-            f"final loss {loss_avg:.4f}, val_loss {val_loss if val_loss is None else round(val_loss, 4)}; "
-            f"wrote {show(out_dir / 'summary.json')}")
+        _write_summary(job, summary)
     metrics.close()
     return summary
 
 
-def main(cfg: TrainConfig) -> dict:
+def main(cfg: TrainConfig) -> dict[str, Any]:
     """Join the process group (if launched by torchrun), train, always tear down. Returns the summary."""
     with setup(cfg.device, cfg.timeout_s, cfg.threads) as info:
         return run_training(cfg, info)
@@ -303,6 +447,7 @@ def main(cfg: TrainConfig) -> dict:
 
 @record  # on failure, torchrun's error file carries this rank's traceback
 def cli(argv: list[str] | None = None) -> None:
+    """``python -m ddp_course.train``: parse the flags, train; bad input is one ``error:`` paragraph and exit 2."""
     try:
         cfg = parse_cli(sys.argv[1:] if argv is None else argv)
         main(cfg)

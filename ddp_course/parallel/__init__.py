@@ -10,12 +10,16 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+from collections.abc import Iterator
 
 import torch
 import torch.nn as nn
 
+from ddp_course.config import TrainConfig
+from ddp_course.dist import DistInfo
 
-def wrap(model: nn.Module, info, cfg) -> nn.Module:
+
+def wrap(model: nn.Module, info: DistInfo, cfg: TrainConfig) -> nn.Module:
     """Apply ``cfg.strategy`` (``ddp_course.parallel.<strategy>.wrap``) to the model."""
     module = importlib.import_module(f"{__name__}.{cfg.strategy}")
     return module.wrap(model, info, cfg)
@@ -36,7 +40,7 @@ def unwrap(model: nn.Module) -> nn.Module:
             return model
 
 
-def sync_context(model: nn.Module, sync: bool):
+def sync_context(model: nn.Module, sync: bool) -> contextlib.AbstractContextManager:
     """``model.no_sync()`` on a micro-step that must not all-reduce, else a no-op context.
 
     DDP reads the flag when the *forward* runs, so the forward of every non-final micro-step must be
@@ -51,7 +55,7 @@ def sync_context(model: nn.Module, sync: bool):
 
 
 @contextlib.contextmanager
-def _fsdp2_no_sync(model: nn.Module):
+def _fsdp2_no_sync(model: nn.Module) -> Iterator[None]:
     model.set_requires_gradient_sync(False)
     try:
         yield
@@ -72,9 +76,18 @@ def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
     return norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # DTensor (FSDP2) -> tensor
 
 
-def ndim(p: torch.Tensor) -> int:
-    """A parameter's number of dimensions as the model defined it (FSDP1 shows 1-D shards)."""
-    return getattr(p, "_orig_ndim", p.dim())
+def param_ndims(model: nn.Module) -> dict[str, int]:
+    """Each parameter's number of dimensions as the model defined it, keyed by ``model.named_parameters()``.
+
+    Most wrappers show the parameters as they are. FSDP1 shows flat 1-D shards instead, so its
+    ``wrap`` records the real numbers, taken before wrapping, in the wrapper's public ``param_ndims``
+    attribute; this function returns that record when there is one. The optimizer's weight-decay
+    groups (``train.build_optimizer``) are decided from it.
+    """
+    recorded = getattr(model, "param_ndims", None)
+    if recorded is not None:
+        return dict(recorded)
+    return {name: p.dim() for name, p in model.named_parameters()}
 
 
 def is_sharded(model: nn.Module) -> bool:

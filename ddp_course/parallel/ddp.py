@@ -20,12 +20,16 @@ keeps its annotations real objects: no ``from __future__ import annotations`` he
 """
 
 import inspect
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
+
+from ddp_course.config import TrainConfig
+from ddp_course.dist import DistInfo
 
 INT8_LEVELS = 127  # int8 codes used: -127 .. 127 (symmetric, so 0 stays exactly 0)
 
@@ -34,7 +38,7 @@ class CommHookError(ValueError):
     """A communication hook cannot run on this backend. The message says what to use instead."""
 
 
-def _group(process_group) -> dist.ProcessGroup:
+def _group(process_group: dist.ProcessGroup | None) -> dist.ProcessGroup:
     return process_group if process_group is not None else dist.group.WORLD
 
 
@@ -94,7 +98,7 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 HOOKS = {"fp16": default_hooks.fp16_compress_hook, "bf16": bf16_hook, "int8": int8_hook}
 
 
-def comm_hook(name: str, backend: str | None):
+def comm_hook(name: str, backend: str | None) -> Callable[..., torch.futures.Future[torch.Tensor]] | None:
     """The hook for ``--comm_hook=name`` on this backend (None for ``none``: DDP's own all-reduce).
 
     On NCCL, bf16 uses PyTorch's built-in ``bf16_compress_hook`` (it checks the NCCL version); on gloo
@@ -109,7 +113,7 @@ def comm_hook(name: str, backend: str | None):
     return HOOKS[name]
 
 
-def ddp_kwargs(cfg) -> dict:
+def ddp_kwargs(cfg: TrainConfig) -> dict:
     """DDP's keyword arguments for this config (the DDP options of lesson 05)."""
     options = {"bucket_cap_mb": cfg.bucket_cap_mb, "find_unused_parameters": cfg.find_unused_parameters,
                "static_graph": cfg.static_graph}
@@ -124,7 +128,8 @@ def ddp_kwargs(cfg) -> dict:
     return options
 
 
-def wrap(model: nn.Module, info, cfg) -> nn.Module:
+def wrap(model: nn.Module, info: DistInfo, cfg: TrainConfig) -> nn.Module:
+    """DistributedDataParallel with the config's DDP options and communication hook (needs a process group)."""
     if not info.is_distributed:
         raise ValueError("--strategy=ddp needs a process group: launch with "
                          "`torchrun --standalone --nproc_per_node=2 -m ddp_course.train --strategy=ddp` "

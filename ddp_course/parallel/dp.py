@@ -20,8 +20,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ddp_course.config import ConfigError
-from ddp_course.dist import DeviceError
+from ddp_course.config import ConfigError, TrainConfig
+from ddp_course.dist import DeviceError, DistInfo
 
 LESSON = "lessons/03_data_parallel.ipynb"
 
@@ -44,7 +44,8 @@ class DataParallelLM(nn.DataParallel):
     of the entire batch.
     """
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         logits = super().forward(idx)  # scatter, replicate, parallel forward, gather on device_ids[0]
         if targets is None:
             return logits
@@ -52,6 +53,7 @@ class DataParallelLM(nn.DataParallel):
 
 
 def cuda_gpus() -> int:
+    """How many CUDA GPUs PyTorch sees (0 without CUDA)."""
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
@@ -68,7 +70,8 @@ def refusal(n_gpus: int) -> str:
             "--strategy=ddp with torchrun (lesson 04).")
 
 
-def wrap(model: nn.Module, info, cfg) -> nn.Module:
+def wrap(model: nn.Module, info: DistInfo, cfg: TrainConfig) -> nn.Module:
+    """DataParallelLM over every GPU, the run's device first; refuses without 2 GPUs or with several processes."""
     n = cuda_gpus()
     if n < 2:
         raise DeviceError(refusal(n))

@@ -34,10 +34,11 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from ddp_course.config import ConfigError
+from ddp_course.config import ConfigError, TrainConfig
+from ddp_course.dist import DistInfo
 
 
-def shard_layout(info, cfg) -> tuple[int, int]:
+def shard_layout(info: DistInfo, cfg: TrainConfig) -> tuple[int, int]:
     """(replicas, shard ranks) for this world size: ``fsdp_shard_size`` ranks hold one copy of the model."""
     ws = info.world_size
     shard = cfg.fsdp_shard_size or ws
@@ -48,7 +49,7 @@ def shard_layout(info, cfg) -> tuple[int, int]:
     return ws // shard, shard
 
 
-def device_mesh(info, cfg) -> DeviceMesh:
+def device_mesh(info: DistInfo, cfg: TrainConfig) -> DeviceMesh:
     """1-D mesh ``(shard,)`` over every rank, or 2-D ``(replicate, shard)`` for hybrid sharding.
 
     Ranks are laid out row by row: with 4 ranks and ``fsdp_shard_size=2``, ranks {0, 1} and {2, 3}
@@ -60,14 +61,15 @@ def device_mesh(info, cfg) -> DeviceMesh:
     return init_device_mesh(info.device.type, (replicas, shard), mesh_dim_names=("replicate", "shard"))
 
 
-def mp_policy(cfg) -> MixedPrecisionPolicy:
+def mp_policy(cfg: TrainConfig) -> MixedPrecisionPolicy:
     """bf16 for the gathered parameters (compute and all-gather), fp32 for the gradient reduction."""
     if not cfg.fsdp_mixed_precision:
         return MixedPrecisionPolicy()
     return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
 
-def offload_policy(info, cfg) -> OffloadPolicy:
+def offload_policy(info: DistInfo, cfg: TrainConfig) -> OffloadPolicy:
+    """CPUOffloadPolicy with ``fsdp_cpu_offload`` (GPU jobs only), else the default (no offload)."""
     if not cfg.fsdp_cpu_offload:
         return OffloadPolicy()
     if info.device.type != "cuda":
@@ -77,7 +79,7 @@ def offload_policy(info, cfg) -> OffloadPolicy:
     return CPUOffloadPolicy()
 
 
-def wrap(model: nn.Module, info, cfg) -> nn.Module:
+def wrap(model: nn.Module, info: DistInfo, cfg: TrainConfig) -> nn.Module:
     """Shard ``model`` in place: ``fully_shard`` on each of ``model.blocks``, then on the root. Returns it.
 
     Collectives: none here (every rank shards its own identical copy: same seed, same init); the

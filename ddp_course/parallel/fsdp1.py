@@ -35,11 +35,13 @@ from torch.distributed.fsdp import CPUOffload, MixedPrecision, ShardingStrategy
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-from ddp_course.config import ConfigError
+from ddp_course.config import ConfigError, TrainConfig
+from ddp_course.dist import DistInfo
 from ddp_course.parallel.fsdp import device_mesh, shard_layout
 
 
-def sharding_strategy(info, cfg) -> ShardingStrategy:
+def sharding_strategy(info: DistInfo, cfg: TrainConfig) -> ShardingStrategy:
+    """FSDP1's ShardingStrategy for these options (the table above); refuses the unsynchronised hybrid case."""
     replicas, shard = shard_layout(info, cfg)
     if replicas > 1 and shard == 1:
         raise ConfigError(
@@ -54,7 +56,8 @@ def sharding_strategy(info, cfg) -> ShardingStrategy:
     return ShardingStrategy.FULL_SHARD if cfg.reshard_after_forward else ShardingStrategy.SHARD_GRAD_OP
 
 
-def wrap(model: nn.Module, info, cfg) -> nn.Module:
+def wrap(model: nn.Module, info: DistInfo, cfg: TrainConfig) -> nn.Module:
+    """Wrap each transformer block, then the root, in FullyShardedDataParallel; returns the root wrapper."""
     if not info.is_distributed:
         raise ConfigError("--strategy=fsdp1 needs a process group: launch with "
                           "`torchrun --standalone --nproc_per_node=2 -m ddp_course.train --strategy=fsdp1`.")
@@ -62,12 +65,16 @@ def wrap(model: nn.Module, info, cfg) -> nn.Module:
     if cfg.fsdp_cpu_offload and info.device.type != "cuda":
         raise ConfigError("--fsdp_cpu_offload needs a GPU: it moves parameters from GPU memory to CPU memory, and "
                           "this job already keeps everything in CPU memory. Drop --fsdp_cpu_offload.")
-    for p in model.parameters():  # FSDP1 shows flat 1-D shards; the optimizer's decay groups need the real rank
-        p._orig_ndim = p.dim()
+    ndims = {id(p): p.dim() for p in model.parameters()}  # before FSDP1 flattens them (see below)
     hybrid = strategy in (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
     mp = (MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, buffer_dtype=torch.bfloat16)
           if cfg.fsdp_mixed_precision else None)
-    return FSDP(model, auto_wrap_policy=ModuleWrapPolicy({type(model.blocks[0])}), sharding_strategy=strategy,
-                device_id=info.device,  # explicit: on the CPU FSDP1 refuses to guess it
-                device_mesh=device_mesh(info, cfg) if hybrid else None, use_orig_params=True,
-                mixed_precision=mp, cpu_offload=CPUOffload(offload_params=True) if cfg.fsdp_cpu_offload else None)
+    wrapped = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({type(model.blocks[0])}), sharding_strategy=strategy,
+                   device_id=info.device,  # explicit: on the CPU FSDP1 refuses to guess it
+                   device_mesh=device_mesh(info, cfg) if hybrid else None, use_orig_params=True,
+                   mixed_precision=mp, cpu_offload=CPUOffload(offload_params=True) if cfg.fsdp_cpu_offload else None)
+    # FSDP1 shows each parameter (the same object, use_orig_params) as a flat 1-D view of this rank's
+    # shard; the optimizer's weight-decay groups need the real number of dimensions: recorded here by
+    # the wrapper's parameter names, read by ddp_course.parallel.param_ndims.
+    wrapped.param_ndims = {name: ndims[id(p)] for name, p in wrapped.named_parameters()}
+    return wrapped
