@@ -36,17 +36,12 @@ def parse_flags(argv: list[str], defaults: dict[str, Any], prog: str) -> dict[st
         key, value = arg[2:].split("=", 1)
         key = key.replace("-", "_")
         if key not in defaults:
-            close = difflib.get_close_matches(key, list(defaults), n=2)
-            hint = f" Did you mean {' or '.join('--' + c for c in close)}?" if close else ""
+            close = close_keys(key, defaults)
+            hint = f" Did you mean {' or '.join(close)}?" if close else ""
             raise FlagError(f"{prog}: unknown option --{key}.{hint} The options and their defaults are: {valid}.")
         default = defaults[key]
         try:
-            if isinstance(default, bool):
-                if value.lower() not in _TRUE + _FALSE:
-                    raise ValueError(value)
-                values[key] = value.lower() in _TRUE
-            else:
-                values[key] = type(default)(value)
+            values[key] = convert(value, type(default))
         except ValueError:
             raise FlagError(f"{prog}: --{key} expects a {type(default).__name__} (got {value!r}), "
                             f"e.g. --{key}={default}.") from None
