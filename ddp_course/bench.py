@@ -171,6 +171,17 @@ def int_list(opts: dict[str, Any], key: str, example: str = "1,2,4") -> list[int
         raise OptionError(f"--{key}={opts[key]!r} must be comma-separated integers, e.g. --{key}={example}.") from None
 
 
+def float_list(opts: dict[str, Any], key: str, example: str = "25,0.1,0.05") -> list[float]:
+    """``opts[key]`` ("25,0.1") as a list of positive numbers; raises :class:`OptionError`."""
+    try:
+        values = [float(v) for v in str(opts[key]).split(",") if v.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) <= 0:
+        raise OptionError(f"--{key}={opts[key]!r} must list positive numbers, comma-separated, e.g. --{key}={example}.")
+    return values
+
+
 def choice(opts: dict[str, Any], key: str, choices: tuple[str, ...]) -> None:
     """Raise :class:`OptionError` unless ``opts[key]`` is one of ``choices``."""
     if opts[key] not in choices:
