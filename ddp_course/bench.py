@@ -138,7 +138,7 @@ def parse_options(b: Bench | str, argv: list[str]) -> dict[str, Any]:
     except FlagError as exc:
         # "--rounds expects int", as the benchmarks have always said it (cli writes "expects a int")
         raise OptionError(re.sub(r" expects an? (\w+) ", r" expects \1 ", str(exc))) from None
-    if b.check is not None and not opts.get("worker"):
+    if b.check is not None:
         b.check(opts)
     return opts
 
