@@ -151,7 +151,7 @@ def usage(b: Bench | None = None) -> str:
         lines += ["", "options of one benchmark: python -m ddp_course.bench NAME --help"]
         return "\n".join(lines)
     lines = [f"usage: python -m ddp_course.bench {b.name} [--key=value ...]", "", b.doc, "", "options:"]
-    lines += [f"  --{k}={v!s:<18} {b.help[k]}" for k, v in b.defaults.items() if not b.help[k].startswith("internal:")]
+    lines += [f"  {f'--{k}={v}':<32} {b.help[k]}" for k, v in b.defaults.items() if not b.help[k].startswith("internal:")]
     return "\n".join(lines)
 
 
@@ -317,5 +317,7 @@ def module_main(name: str, argv: list[str] | None = None) -> int:
     return main([name, *(sys.argv[1:] if argv is None else argv)])
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # run through the imported module: benchmarks register with that one
+    from ddp_course.bench import main as _main
+
+    sys.exit(_main())
