@@ -216,7 +216,29 @@ def noise_warning(name: str, spread_: float, advice: str, load: list[float] | No
 
 
 # --------------------------------------------------------------------------------------------------
-# jobs
+# devices and jobs
+
+def device_for(device: str, nproc: int) -> tuple[Any, str, str]:
+    """:func:`ddp_course.dist.choose_device` for a job of ``nproc`` processes (what each of its ranks will
+    choose); a device that cannot be had becomes :class:`BenchError`."""
+    from ddp_course.dist import DeviceError, choose_device
+
+    try:
+        return choose_device(device, nproc)
+    except DeviceError as exc:
+        raise BenchError(str(exc)) from None
+
+
+def study_device(device: str, sizes: list[int]) -> tuple[str, list[int], str]:
+    """:func:`ddp_course.dist.choose_study_device`: one kind of device for every job of a benchmark, and
+    the job sizes that fit on it; a device that cannot be had becomes :class:`BenchError`."""
+    from ddp_course.dist import DeviceError, choose_study_device
+
+    try:
+        return choose_study_device(device, sizes)
+    except DeviceError as exc:
+        raise BenchError(str(exc)) from None
+
 
 def job_env(**extra: str) -> dict[str, str]:
     """Environment additions for a benchmark's job: it imports the same ``ddp_course`` as this process."""
@@ -311,10 +333,19 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if result.get("pass") is False else 0
 
 
-def module_main(name: str, argv: list[str] | None = None) -> int:
-    """The ``main`` of a benchmark module: ``python -m ddp_course.course.lNN_x.bench_NAME [...]`` is
+def entry_points(name: str) -> tuple[Callable[..., dict[str, Any]], Callable[[list[str] | None], int]]:
+    """A benchmark module's ``(bench, main)``: ``bench(**overrides)`` is ``run(name, **overrides)``, and
+    ``main(argv)`` (``python -m ddp_course.course.lNN_x.bench_NAME [...]``) is
     ``python -m ddp_course.bench NAME [...]``."""
-    return main([name, *(sys.argv[1:] if argv is None else argv)])
+    def bench_(**overrides: Any) -> dict[str, Any]:
+        return run(name, **overrides)
+
+    def main_(argv: list[str] | None = None) -> int:
+        return main([name, *(sys.argv[1:] if argv is None else argv)])
+
+    bench_.__doc__ = f"From Python: the {name} benchmark with ``--key=value`` overrides; returns its result."
+    main_.__doc__ = f"``python -m ddp_course.bench {name} [--key=value ...]``."
+    return bench_, main_
 
 
 if __name__ == "__main__":  # run through the imported module: benchmarks register with that one

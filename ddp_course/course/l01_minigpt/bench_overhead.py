@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import math
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -295,3 +296,9 @@ def overhead(opts: dict[str, Any]) -> dict[str, Any]:
         "ratio_best_rounds": best, "ratio_cpu_time": cpu_ratio, "round_spread": noise, "noisy": noisy,
         "target": opts["target"], "pass": passed, "same_work_check": check,
     }
+
+
+_, main = harness.entry_points("overhead")
+
+if __name__ == "__main__":
+    sys.exit(main())

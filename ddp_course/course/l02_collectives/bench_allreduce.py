@@ -200,13 +200,7 @@ def run_bench(opts: dict[str, Any]) -> dict[str, Any]:
     return {"bench": NAME, "options": opts, "cpu_count": cores, "jobs": jobs}
 
 
-def bench(**overrides: Any) -> dict[str, Any]:
-    """From Python: ``bench(world_sizes="2", max_bytes=2**20)``; returns the result dict."""
-    return harness.run(NAME, **overrides)
-
-
-def main(argv: list[str] | None = None) -> int:
-    return harness.module_main(NAME, argv)
+bench, main = harness.entry_points(NAME)
 
 
 if __name__ == "__main__":

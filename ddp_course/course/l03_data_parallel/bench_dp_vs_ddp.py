@@ -141,8 +141,7 @@ def run(echo: str = "rank0", **overrides: Any) -> dict[str, Any]:
     return harness.run(NAME, echo=echo, **overrides)
 
 
-def main(argv: list[str] | None = None) -> int:
-    return harness.module_main(NAME, argv)
+_, main = harness.entry_points(NAME)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ is one ``ddp_course.launch.run`` job; the folders of abnormal exits are kept und
 from __future__ import annotations
 
 import shutil
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -91,3 +92,9 @@ def clean_exit(opts: dict[str, Any]) -> dict[str, Any]:
         print("\n".join("    " + line for line in a["tail"]))
     return {"launches": opts["launches"], "jobs": counts, "abnormal": abnormal, "wall_s": round(wall, 1),
             "load": load_average(), "torch": torch.__version__, "pass": not abnormal}
+
+
+_, main = harness.entry_points("clean_exit")
+
+if __name__ == "__main__":
+    sys.exit(main())

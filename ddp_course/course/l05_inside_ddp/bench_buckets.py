@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from ddp_course import bench as harness
-from ddp_course.bench import BenchError, OptionError
+from ddp_course.bench import OptionError
 
 NAME = "buckets"
 LAB = "ddp_course.course.l05_inside_ddp.ddp_profile"
@@ -73,15 +73,10 @@ def table(result: dict[str, Any]) -> str:
                              "line, none from Python)"))
 def run_options(opts: dict[str, Any]) -> dict[str, Any]:
     """Run the sweep with parsed options; returns the result written to ``<out>/buckets.json``."""
-    from ddp_course.dist import DeviceError, choose_device
-
     job_dir = Path(opts["out"]) / NAME
     lab = {k: opts[k] for k in ("n_layer", "n_head", "n_embd", "block_size", "micro_batch_size", "steps", "rounds",
                                 "warmup", "threads", "device", "seed")}
-    try:
-        _, _, reason = choose_device(opts["device"], opts["nproc"])  # what every rank of the job will choose
-    except DeviceError as exc:
-        raise BenchError(str(exc)) from None
+    _, _, reason = harness.device_for(opts["device"], opts["nproc"])
     print(f"[{NAME}] {opts['nproc']} ranks, {reason}; bucket sizes {opts['caps']} MB, {opts['rounds']} rounds of "
           f"{opts['steps']} steps each", flush=True)
     (job_dir / "sweep.json").unlink(missing_ok=True)
@@ -96,13 +91,7 @@ def run_options(opts: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
-def run_bench(**overrides: Any) -> dict[str, Any]:
-    """From Python: ``run_bench(caps="0.1,1,25", rounds=3)``; returns the result dict."""
-    return harness.run(NAME, **overrides)
-
-
-def main(argv: list[str] | None = None) -> int:
-    return harness.module_main(NAME, argv)
+run_bench, main = harness.entry_points(NAME)
 
 
 if __name__ == "__main__":

@@ -179,14 +179,11 @@ def worker(opts: dict[str, Any]) -> None:
                timeout_s=(300.0, "wall-clock limit of each job (all its processes are stopped after it)"))
 def run_bench(opts: dict[str, Any]) -> dict[str, Any]:
     """Run the bench with parsed options; returns the result written to ``<out>/no_sync.json``."""
-    from ddp_course.dist import DeviceError, choose_study_device, cpu_count
+    from ddp_course.dist import cpu_count
 
     base = Path(opts["out"]).resolve()
     cores = cpu_count()
-    try:  # one kind of device for every job of the bench (and the world sizes that fit on it)
-        device, world_sizes, reason = choose_study_device(opts["device"], opts["world_sizes"])
-    except DeviceError as exc:
-        raise BenchError(str(exc)) from None
+    device, world_sizes, reason = harness.study_device(opts["device"], opts["world_sizes"])
     opts = {**opts, "device": device, "world_sizes": world_sizes}
     print(f"[no_sync bench] {reason}", flush=True)
     print(f"[no_sync bench] K = {', '.join(map(str, opts['ks']))} on {', '.join(map(str, opts['world_sizes']))} "
@@ -242,13 +239,7 @@ def run_bench(opts: dict[str, Any]) -> dict[str, Any]:
     return {"bench": NAME, "options": opts, "device_reason": reason, "cpu_count": cores, "jobs": jobs}
 
 
-def bench(**overrides: Any) -> dict[str, Any]:
-    """From Python: ``bench(ks="1,4", world_sizes="2", rounds=3)``; returns the result dict."""
-    return harness.run(NAME, **overrides)
-
-
-def main(argv: list[str] | None = None) -> int:
-    return harness.module_main(NAME, argv)
+bench, main = harness.entry_points(NAME)
 
 
 if __name__ == "__main__":

@@ -373,13 +373,7 @@ def run_bench(opts: dict[str, Any]) -> dict[str, Any]:
             "memory_kind": "cuda_max_memory_allocated" if device.type == "cuda" else "cpu_peak_rss"}
 
 
-def bench(**overrides: Any) -> dict[str, Any]:
-    """From Python: ``bench(n_embd=64, rounds=3)``; returns the result dict (also written as JSON)."""
-    return harness.run(NAME, **overrides)
-
-
-def main(argv: list[str] | None = None) -> int:
-    return harness.module_main(NAME, argv)
+bench, main = harness.entry_points(NAME)
 
 
 if __name__ == "__main__":

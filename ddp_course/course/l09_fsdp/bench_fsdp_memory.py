@@ -149,8 +149,7 @@ def table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    return harness.module_main(NAME, argv)
+_, main = harness.entry_points(NAME)
 
 
 if __name__ == "__main__":

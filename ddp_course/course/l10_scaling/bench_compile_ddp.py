@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from ddp_course import bench as harness
-from ddp_course.bench import BenchError, OptionError
+from ddp_course.bench import OptionError
 
 NAME = "compile_ddp"
 LAB = "ddp_course.course.l10_scaling.compile_ddp"
@@ -56,8 +56,6 @@ def _check(opts: dict[str, Any]) -> None:
                timeout_s=(900.0, "wall-clock limit of the job"))
 def run_bench(opts: dict[str, Any]) -> dict[str, Any]:
     """Run the lab with timing on; returns the result written to ``<out>/compile_ddp.json``."""
-    from ddp_course.dist import DeviceError, choose_device
-
     base = Path(opts["out"]).resolve()
     lab_dir = base / NAME
     env = {}
@@ -66,10 +64,7 @@ def run_bench(opts: dict[str, Any]) -> dict[str, Any]:
         env["TORCHINDUCTOR_CACHE_DIR"] = cold_dir
     flags = {k: opts[k] for k in ("backend", "n_layer", "n_head", "n_embd", "block_size", "micro_batch_size",
                                   "timing_steps", "device")}
-    try:
-        _, _, reason = choose_device(opts["device"], opts["nproc"])  # what every rank of the job will choose
-    except DeviceError as exc:
-        raise BenchError(str(exc)) from None
+    _, _, reason = harness.device_for(opts["device"], opts["nproc"])
     print(f"[compile_ddp] {opts['nproc']} processes, {reason}; backend {opts['backend']}, "
           f"{'an empty' if opts['cold'] else 'the existing'} inductor cache; MiniGPT {opts['n_layer']} x "
           f"{opts['n_embd']}, {opts['micro_batch_size']} x {opts['block_size']} tokens per rank", flush=True)
@@ -105,13 +100,7 @@ def run_bench(opts: dict[str, Any]) -> dict[str, Any]:
     return {"bench": NAME, "options": opts, "result": res, "lab": lab, "job_wall_s": r.elapsed_s}
 
 
-def bench(**overrides: Any) -> dict[str, Any]:
-    """From Python: ``bench(n_layer=1, cold=False)``; returns the result dict."""
-    return harness.run(NAME, **overrides)
-
-
-def main(argv: list[str] | None = None) -> int:
-    return harness.module_main(NAME, argv)
+bench, main = harness.entry_points(NAME)
 
 
 if __name__ == "__main__":

@@ -41,7 +41,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from ddp_course import bench as harness
-from ddp_course.bench import BenchError, OptionError
+from ddp_course.bench import OptionError
 
 NAME = "dataloader"
 
@@ -130,13 +130,10 @@ def measure(loader_kwargs: dict[str, Any], ds: Dataset, order: list[int], opts: 
 def run_bench(opts: dict[str, Any]) -> dict[str, Any]:
     """Time every DataLoader configuration; returns the result written to ``<out>/dataloader.json``."""
     from ddp_course.data import CharTokenizer, load_corpus
-    from ddp_course.dist import DeviceError, choose_device, cpu_count
+    from ddp_course.dist import cpu_count
     from ddp_course.model import GPTConfig, MiniGPT
 
-    try:
-        device_type, _, reason = choose_device(opts["device"], 1)  # one process: the first GPU, if any
-    except DeviceError as exc:
-        raise BenchError(str(exc)) from None
+    device_type, _, reason = harness.device_for(opts["device"], 1)  # one process: the first GPU, if any
     device = torch.device("cuda", torch.cuda.current_device()) if device_type.type == "cuda" else torch.device("cpu")
     reason = reason.replace(" with gloo", "").replace(" with NCCL", "")  # one process: no backend
     torch.set_num_threads(opts["threads"])
@@ -237,13 +234,7 @@ def run_bench(opts: dict[str, Any]) -> dict[str, Any]:
             "pin_memory": pin_memory}
 
 
-def bench(**overrides: Any) -> dict[str, Any]:
-    """From Python: ``bench(batches=10)``; returns the result dict."""
-    return harness.run(NAME, **overrides)
-
-
-def main(argv: list[str] | None = None) -> int:
-    return harness.module_main(NAME, argv)
+bench, main = harness.entry_points(NAME)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ batch, for the same number of steps (both started by ``ddp_course.launch.run``);
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -125,3 +126,9 @@ def _report(opts: dict[str, Any], runs: list[dict[str, Any]], label: dict[str, s
             "threads_tokens_per_s": thr_med, "ratio": ratio, "ddp_not_slower": not_slower,
             "cpu_count": os.cpu_count(), "load_average_at_start": load_at_start,
             "load_average_at_end": load_average(), "repeat_spread": spread, "noisy": busy}
+
+
+_, main = harness.entry_points("ddp_vs_threads")
+
+if __name__ == "__main__":
+    sys.exit(main())

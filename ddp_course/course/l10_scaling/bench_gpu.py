@@ -368,9 +368,7 @@ def gpu(opts: dict[str, Any]) -> dict[str, Any]:
               "mfu_target": opts["mfu_target"], "mfu_best_gpt2": mfu_best, "mfu_pass": mfu_pass, "pass": passed}
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``python -m ddp_course.course.l10_scaling.bench_gpu [--key=value ...]``: the same as ``python -m ddp_course.bench gpu``."""
-    return harness.module_main("gpu", argv)
+_, main = harness.entry_points("gpu")
 
 
 if __name__ == "__main__":

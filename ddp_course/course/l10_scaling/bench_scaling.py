@@ -51,7 +51,7 @@ from pathlib import Path
 from typing import Any
 
 from ddp_course import bench as harness
-from ddp_course.bench import BenchError, OptionError
+from ddp_course.bench import OptionError
 
 NAME = "scaling"
 
@@ -246,14 +246,11 @@ def worker(opts: dict[str, Any]) -> None:
 @harness.bench(NAME, check=_check, worker=worker, usage_exit=1, **OPTIONS)
 def run_bench(opts: dict[str, Any]) -> dict[str, Any]:
     """Run the bench with parsed options; returns the result written to ``<out>/scaling.json``."""
-    from ddp_course.dist import DeviceError, choose_study_device, cpu_count
+    from ddp_course.dist import cpu_count
 
     base = Path(opts["out"]).resolve()
     cores = cpu_count()
-    try:  # one kind of device for every job of the study (and the process counts that fit on it)
-        device, nprocs, reason = choose_study_device(opts["device"], opts["nprocs"])
-    except DeviceError as exc:
-        raise BenchError(str(exc)) from None
+    device, nprocs, reason = harness.study_device(opts["device"], opts["nprocs"])  # one device for every job
     opts = {**opts, "device": device, "nprocs": nprocs}
     print(f"[scaling] {reason}", flush=True)
     print(f"[scaling] {', '.join(map(str, opts['nprocs']))} process(es) x {opts['threads']} thread(s), {cores} core(s) "
@@ -313,13 +310,7 @@ def run_bench(opts: dict[str, Any]) -> dict[str, Any]:
             "phases": phases, "jobs": jobs, "strong_final_loss_gap": strong_gap}
 
 
-def bench(**overrides: Any) -> dict[str, Any]:
-    """From Python: ``bench(nprocs="1,2", steps=20)``; returns the result dict."""
-    return harness.run(NAME, **overrides)
-
-
-def main(argv: list[str] | None = None) -> int:
-    return harness.module_main(NAME, argv)
+bench, main = harness.entry_points(NAME)
 
 
 if __name__ == "__main__":
