@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from ddp_course import bench as harness
+from ddp_course.bench import BenchError as BenchError  # re-exported: callers catch module.BenchError
 from ddp_course.bench import OptionError
 
 TINY_MODEL = {"n_layer": 1, "n_head": 2, "n_embd": 32, "block_size": 32, "micro_batch_size": 4}

@@ -41,6 +41,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from ddp_course import bench as harness
+from ddp_course.bench import BenchError as BenchError  # re-exported: callers catch module.BenchError
 from ddp_course.bench import OptionError
 
 NAME = "dataloader"

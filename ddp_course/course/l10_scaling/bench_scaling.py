@@ -51,6 +51,7 @@ from pathlib import Path
 from typing import Any
 
 from ddp_course import bench as harness
+from ddp_course.bench import BenchError as BenchError  # re-exported: callers catch module.BenchError
 from ddp_course.bench import OptionError
 
 NAME = "scaling"
