@@ -21,6 +21,7 @@ from __future__ import annotations
 import ast
 import importlib
 import importlib.util
+import inspect
 import os
 import pkgutil
 import re
@@ -61,10 +62,6 @@ class Bench:
     worker: Callable[[dict[str, Any]], None] | None = None
     usage_exit: int = 2
 
-    @property
-    def summary(self) -> str:
-        return self.doc.strip().splitlines()[0] if self.doc.strip() else ""
-
 
 BENCHES: dict[str, Bench] = {}
 COMMON = {"out": ("bench_results", "directory for <name>.json (and any run folders)")}
@@ -81,8 +78,9 @@ def bench(name: str, *, check: Callable | None = None, worker: Callable | None =
     """
     def register(fn: Callable) -> Callable:
         spec = {**options, **COMMON, **(WORKER if worker else {})}
-        module = sys.modules.get(fn.__module__)
-        doc = (getattr(module, "__doc__", None) or fn.__doc__ or "").strip()
+        module_doc = (getattr(sys.modules.get(fn.__module__), "__doc__", None) or "").strip()
+        fn_doc = inspect.cleandoc(fn.__doc__ or "")
+        doc = module_doc if fn_doc in module_doc or "\n" not in fn_doc else f"{module_doc}\n\n{fn_doc}"
         BENCHES[name] = Bench(name, fn, {k: v[0] for k, v in spec.items()}, {k: v[1] for k, v in spec.items()},
                               doc, check, worker, usage_exit)
         return fn
