@@ -10,13 +10,13 @@ from __future__ import annotations
 import json
 import math
 import os
-import sys
 import time
 
 import pytest
 import torch
 
 from ddp_course import bench
+from ddp_course.course.l01_minigpt import bench_overhead
 
 TINY_MODEL = {"n_layer": 1, "n_head": 2, "n_embd": 32, "block_size": 32}
 
@@ -100,8 +100,10 @@ def test_timeout_stops_the_whole_process_group(tmp_path):
     code = ("import pathlib, subprocess, sys, time; "
             "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
             f"pathlib.Path({str(pid_file)!r}).write_text(str(c.pid)); time.sleep(60)")
+    script = tmp_path / "parent.py"
+    script.write_text(code + "\n")
     with pytest.raises(bench.BenchError, match="did not finish"):
-        bench.run_logged([sys.executable, "-c", code], tmp_path / "run.log", timeout_s=3.0, env=dict(os.environ))
+        bench.launch(str(script), 1, what="the parent", timeout=3.0, use_torchrun=False)
     child = int(pid_file.read_text())
     deadline = time.monotonic() + 5
     while _alive(child) and time.monotonic() < deadline:
@@ -118,7 +120,7 @@ def test_same_work_check_catches_a_different_loop(tmp_path, monkeypatch, keep_th
         return torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.999))
 
     with monkeypatch.context() as m:
-        m.setattr(bench, "_hand_optimizer", other_betas)
+        m.setattr(bench_overhead, "hand_optimizer", other_betas)
         with pytest.raises(bench.BenchError, match="optimizer"):
             bench.run("overhead", **small)
 
@@ -127,8 +129,8 @@ def test_same_work_check_catches_a_different_loop(tmp_path, monkeypatch, keep_th
             g["lr"] = 2e-3
         return original(model, optimizer, x, y, grad_clip, dtype)
 
-    original = bench._hand_step
-    monkeypatch.setattr(bench, "_hand_step", doubled_lr)
+    original = bench_overhead.hand_step
+    monkeypatch.setattr(bench_overhead, "hand_step", doubled_lr)
     with pytest.raises(bench.BenchError, match="do not do the same work"):
         bench.run("overhead", **small)
     assert not (tmp_path / "overhead.json").exists()

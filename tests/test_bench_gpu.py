@@ -15,6 +15,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ddp_course import bench
+from ddp_course.course.l01_minigpt import bench_overhead
 from ddp_course.metrics import peak_flops
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -76,8 +77,8 @@ def test_gpu_bench_option_errors(capsys, tmp_path):
 
 def test_same_work_check_refuses_a_hand_loop_without_autocast(tmp_path, monkeypatch, keep_threads):
     """A hand loop that drops bf16 autocast does other work: the benchmark refuses to time it."""
-    original = bench._hand_step
-    monkeypatch.setattr(bench, "_hand_step", lambda m, o, x, y, clip, dtype=None: original(m, o, x, y, clip))
+    original = bench_overhead.hand_step
+    monkeypatch.setattr(bench_overhead, "hand_step", lambda m, o, x, y, clip, dtype=None: original(m, o, x, y, clip))
     with pytest.raises(bench.BenchError, match="do not do the same work"):
         bench.run("gpu", device="cpu", sizes="shakespeare", threads=1, out=tmp_path, **QUICK)
     assert not (tmp_path / "gpu.json").exists()

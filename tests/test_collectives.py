@@ -156,7 +156,7 @@ def test_allreduce_bench_tiny(tmp_path):
 
     res = bench_allreduce.bench(world_sizes="2", min_bytes=256, max_bytes=4096, repeats=2, block_s=0.002, warmup=1,
                           out=tmp_path)
-    on_disk = json.loads((tmp_path / "bench_allreduce.json").read_text())
+    on_disk = json.loads((tmp_path / "allreduce.json").read_text())
     assert on_disk["jobs"][0]["world_size"] == 2 and on_disk["jobs"][0]["backend"] == "gloo"
     rows = on_disk["jobs"][0]["rows"]
     assert [row["bytes"] for row in rows] == [256, 1024, 4096]

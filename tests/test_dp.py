@@ -210,7 +210,7 @@ def test_benchmark_skips_with_a_reason_and_exits_0(tmp_path, capsys):
     from ddp_course.course.l03_data_parallel import bench_dp_vs_ddp
 
     assert bench_dp_vs_ddp.main([f"--out={tmp_path}"]) == 0
-    result = json.loads((tmp_path / "bench_dp_vs_ddp.json").read_text())
+    result = json.loads((tmp_path / "dp_vs_ddp.json").read_text())
     assert result["skipped"] is True and "needs at least 2 CUDA GPUs" in result["reason"]
     assert "skipped" in capsys.readouterr().out
     assert bench_dp_vs_ddp.main(["--stepz=3"]) == 2  # unknown options are refused, with a suggestion

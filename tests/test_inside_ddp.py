@@ -287,7 +287,7 @@ def test_bucket_benchmark_tiny(tmp_path):
 
     res = bench_buckets.run_bench(caps="0.01,25", n_layer=2, n_head=2, n_embd=32, block_size=16, micro_batch_size=4,
                             steps=1, rounds=1, warmup=2, timeout_s=150, out=tmp_path)
-    on_disk = json.loads((tmp_path / "bench_buckets.json").read_text())
+    on_disk = json.loads((tmp_path / "buckets.json").read_text())
     assert on_disk["rows"] == res["rows"]
     counts = {r["bucket_cap_mb"]: r["allreduces_per_step"] for r in on_disk["rows"]}
     assert counts[25.0] == 1 and counts[0.01] > 1

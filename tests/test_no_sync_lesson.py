@@ -83,7 +83,7 @@ def test_bench_times_both_modes_and_checks_the_counts(tmp_path):
 
     res = bench_no_sync.bench(ks="1,4", world_sizes="2", rounds=1, steps=1, warmup=0, n_layer=1, n_embd=32, n_head=2,
                         micro_batch_size=2, timeout_s=120, out=tmp_path)
-    on_disk = json.loads((tmp_path / "bench_no_sync.json").read_text())
+    on_disk = json.loads((tmp_path / "no_sync.json").read_text())
     assert on_disk["jobs"][0]["rows"] == res["jobs"][0]["rows"]
     (job,) = on_disk["jobs"]
     assert job["world_size"] == 2 and job["backend"] == "gloo"

@@ -26,7 +26,7 @@ TINY_MODEL = {k: TINY[k] for k in ("n_layer", "n_head", "n_embd", "block_size")}
 def test_scaling_bench_one_and_two_processes(tmp_path):
     res = bench_scaling.bench(nprocs="1,2", steps=6, log_interval=2, phase_steps=3, micro_batch_size=4, global_batch=4,
                         timeout_s=120, out=tmp_path, **TINY_MODEL)
-    on_disk = json.loads((tmp_path / "bench_scaling.json").read_text())
+    on_disk = json.loads((tmp_path / "scaling.json").read_text())
     assert on_disk["weak"] == res["weak"]
     for kind in ("weak", "strong"):
         rows = on_disk[kind]
@@ -58,7 +58,7 @@ def test_scaling_bench_refuses_bad_options():
 def test_dataloader_bench(tmp_path, one_thread):
     res = bench_dataloader.bench(batches=2, rounds=1, repeats=2, workers="0,1", prefetch="2,3", epochs=2, epoch_batches=2,
                            consumer="none", out=tmp_path)
-    on_disk = json.loads((tmp_path / "bench_dataloader.json").read_text())
+    on_disk = json.loads((tmp_path / "dataloader.json").read_text())
     assert [r["label"] for r in on_disk["rows"]] == ["num_workers=0", "num_workers=1", "num_workers=1, prefetch_factor=3"]
     for r in on_disk["rows"]:
         assert r["per_batch_s"] > 0 and math.isfinite(r["speedup_vs_0_workers"])

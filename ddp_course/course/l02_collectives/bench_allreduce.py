@@ -27,7 +27,6 @@ the bench says so, and those times include waiting for a core.
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import sys
@@ -35,47 +34,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ddp_course.cli import FlagError, parse_flags
-from ddp_course.paths import show
+from ddp_course import bench as harness
+from ddp_course.bench import BenchError, OptionError
 
 NAME = "allreduce"
-MODULE = "ddp_course.course.l02_collectives.bench_allreduce"
-
-DEFAULTS: dict[str, Any] = {
-    "world_sizes": "2,4",
-    "min_bytes": 256,
-    "max_bytes": 64 * 2**20,
-    "factor": 4,
-    "repeats": 5,
-    "block_s": 0.05,
-    "max_iters": 2000,
-    "warmup": 5,
-    "device": "auto",
-    "timeout_s": 300.0,
-    "out": "bench_results",
-    "worker": False,
-    "out_dir": "",
-}
-
-HELP = {
-    "world_sizes": "processes per job (comma-separated); each is one torchrun job",
-    "min_bytes": "smallest message, bytes per rank (rounded up to whole float32 elements)",
-    "max_bytes": "largest message, bytes per rank",
-    "factor": "each message size is this many times the previous one",
-    "repeats": "timed blocks per size; the median block is reported",
-    "block_s": "target length of one timed block, seconds (sets the calls per block)",
-    "max_iters": "at most this many all-reduces per block",
-    "warmup": "untimed all-reduces per size first (connections, allocations); they size the blocks",
-    "device": "auto (NCCL on GPUs when each rank has one, else gloo on CPU) | cpu | cuda",
-    "timeout_s": "wall-clock limit of each job (all its processes are stopped after it)",
-    "out": "directory for allreduce.json and the per-job folders",
-    "worker": "internal: run as one rank of a job (set by the bench itself)",
-    "out_dir": "internal: where a job's rank 0 writes its result",
-}
-
-
-class BenchError(RuntimeError):
-    """The benchmark cannot run or its result is not valid. The message says why."""
 
 
 def bus_factor(n: int) -> float:
@@ -92,30 +54,19 @@ def message_sizes(min_bytes: int, max_bytes: int, factor: int) -> list[int]:
     return sizes
 
 
-def parse_options(argv: list[str]) -> dict[str, Any]:
-    try:
-        opts = parse_flags(argv, DEFAULTS, f"python -m {MODULE}")
-    except FlagError as exc:
-        raise BenchError(str(exc)) from None
-    try:
-        opts["world_sizes"] = [int(w) for w in str(opts["world_sizes"]).split(",") if w.strip()]
-    except ValueError:
-        raise BenchError(f"--world_sizes expects comma-separated integers, e.g. 2,4 (got {opts['world_sizes']!r}).") from None
+def _check(opts: dict[str, Any]) -> None:
+    """Refuse options that cannot give a measurement; ``world_sizes`` becomes a list of integers."""
+    opts["world_sizes"] = harness.int_list(opts, "world_sizes", "2,4")
     if not opts["world_sizes"] or min(opts["world_sizes"]) < 2:
-        raise BenchError(f"--world_sizes must list sizes of 2 or more processes (got {opts['world_sizes']}): "
-                         "an all-reduce over one process moves nothing.")
-    for key in ("min_bytes", "max_bytes", "repeats", "max_iters"):
-        if opts[key] < 1:
-            raise BenchError(f"--{key} must be at least 1 (got {opts[key]}).")
-    if opts["factor"] < 2:
-        raise BenchError(f"--factor must be at least 2 (got {opts['factor']}).")
+        raise OptionError(f"--world_sizes must list sizes of 2 or more processes (got {opts['world_sizes']}): "
+                          "an all-reduce over one process moves nothing.")
+    harness.positive(opts, "min_bytes", "max_bytes", "repeats", "max_iters")
+    harness.positive(opts, "factor", least=2)
     if opts["max_bytes"] < opts["min_bytes"]:
-        raise BenchError(f"--max_bytes={opts['max_bytes']} is smaller than --min_bytes={opts['min_bytes']}.")
+        raise OptionError(f"--max_bytes={opts['max_bytes']} is smaller than --min_bytes={opts['min_bytes']}.")
     if opts["block_s"] <= 0 or opts["warmup"] < 0:
-        raise BenchError("--block_s must be positive and --warmup 0 or more.")
-    if opts["device"] not in ("auto", "cpu", "cuda"):
-        raise BenchError(f"--device must be auto, cpu or cuda (got {opts['device']!r}).")
-    return opts
+        raise OptionError("--block_s must be positive and --warmup 0 or more.")
+    harness.choice(opts, "device", ("auto", "cpu", "cuda"))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -129,7 +80,7 @@ def worker(opts: dict[str, Any]) -> None:
     from ddp_course.dist import log, setup
 
     if "RANK" not in os.environ:
-        raise BenchError(f"the worker runs under torchrun; start the bench with `python -m {MODULE}`.")
+        raise BenchError("the worker runs under torchrun; start the bench with `python -m ddp_course.bench allreduce`.")
     with setup(device=opts["device"], timeout_s=max(60.0, opts["timeout_s"])) as info:
         n, dev = info.world_size, info.device
 
@@ -201,11 +152,20 @@ def _fmt_bytes(b: float) -> str:
     return f"{b} B"
 
 
+@harness.bench(NAME, check=_check, worker=worker, usage_exit=1,
+               world_sizes=("2,4", "processes per job (comma-separated); each is one torchrun job"),
+               min_bytes=(256, "smallest message, bytes per rank (rounded up to whole float32 elements)"),
+               max_bytes=(64 * 2**20, "largest message, bytes per rank"),
+               factor=(4, "each message size is this many times the previous one"),
+               repeats=(5, "timed blocks per size; the median block is reported"),
+               block_s=(0.05, "target length of one timed block, seconds (sets the calls per block)"),
+               max_iters=(2000, "at most this many all-reduces per block"),
+               warmup=(5, "untimed all-reduces per size first (connections, allocations); they size the blocks"),
+               device=("auto", "auto (NCCL on GPUs when each rank has one, else gloo on CPU) | cpu | cuda"),
+               timeout_s=(300.0, "wall-clock limit of each job (all its processes are stopped after it)"))
 def run_bench(opts: dict[str, Any]) -> dict[str, Any]:
     """Run the bench with parsed options; returns the result written to ``<out>/allreduce.json``."""
     from ddp_course.dist import choose_device, cpu_count
-    from ddp_course.launch import LaunchError, run
-    from ddp_course.metrics import environment
 
     base = Path(opts["out"]).resolve()
     cores = cpu_count()
@@ -224,15 +184,9 @@ def run_bench(opts: dict[str, Any]) -> dict[str, Any]:
                   "the times include waiting for a core.", flush=True)
         out_dir = base / f"{NAME}_w{n}"
         (out_dir / "worker.json").unlink(missing_ok=True)
-        try:
-            r = run(MODULE, nproc=n, out_dir=out_dir, timeout=opts["timeout_s"], progress=False, echo="none",
-                    use_torchrun=True, worker=True, **worker_opts)
-        except LaunchError as exc:
-            raise BenchError(f"the job with {n} processes failed: {exc}") from None
-        path = out_dir / "worker.json"
-        if not path.is_file():
-            raise BenchError(f"the job with {n} processes finished but wrote no {path}. Its output:\n{r.output[-2000:]}")
-        res = json.loads(path.read_text(encoding="utf-8"))
+        r = harness.launch(harness.module_benches()[NAME], n, what=f"the job with {n} processes",
+                           timeout=opts["timeout_s"], out_dir=out_dir, use_torchrun=True, worker=True, **worker_opts)
+        res = harness.job_result(r)
         jobs.append({**res, "oversubscribed": oversubscribed, "wall_s": r.elapsed_s})
 
     for job in jobs:
@@ -243,41 +197,11 @@ def run_bench(opts: dict[str, Any]) -> dict[str, Any]:
         for row in job["rows"]:
             print(f"{_fmt_bytes(row['bytes']):>10}  {row['iters']:>11}  {row['time_s'] * 1e6:>8.1f} us  "
                   f"{row['algbw_GBps']:>10.3f}  {row['busbw_GBps']:>10.3f}")
-    result = {"bench": NAME, "options": opts, "cpu_count": cores, "jobs": jobs,
-              "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
-              "environment": environment()}
-    base.mkdir(parents=True, exist_ok=True)
-    (base / f"{NAME}.json").write_text(json.dumps(result, indent=1), encoding="utf-8")
-    print(f"\n[{NAME}] wrote {show(base / f'{NAME}.json')}", flush=True)
-    return result
+    return {"bench": NAME, "options": opts, "cpu_count": cores, "jobs": jobs}
 
 
-def bench(**overrides: Any) -> dict[str, Any]:
-    """From Python: ``bench(world_sizes="2", max_bytes=2**20)``; returns the result dict."""
-    return run_bench(parse_options([f"--{k}={v}" for k, v in overrides.items()]))
-
-
-def usage() -> str:
-    lines = [f"usage: python -m {MODULE} [--key=value ...]", "", __doc__.strip().splitlines()[0], "", "options:"]
-    lines += [f"  --{k}={v!s:<14} {HELP[k]}" for k, v in DEFAULTS.items() if k not in ("worker", "out_dir")]
-    return "\n".join(lines)
-
-
-def main(argv: list[str]) -> int:
-    if any(a in ("-h", "--help") for a in argv):
-        print(usage())
-        return 0
-    try:
-        opts = parse_options(argv)
-        if opts["worker"]:
-            worker(opts)
-            return 0
-        run_bench(opts)
-    except BenchError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    return 0
+bench, main = harness.entry_points(NAME)
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main())

@@ -17,7 +17,6 @@ writes the JSON with ``"skipped": true`` and the reason, and exits 0.
 
 from __future__ import annotations
 
-import difflib
 import json
 import os
 import sys
@@ -26,56 +25,11 @@ from typing import Any
 
 import torch
 
-from ddp_course.paths import show
+from ddp_course import bench as harness
+from ddp_course.bench import BenchError
 
 NAME = "dp_vs_ddp"
 LAB = "ddp_course.course.l03_data_parallel.train_gpu_memory"
-OPTIONS: dict[str, tuple[Any, str]] = {
-    "steps": (60, "optimizer steps of each run"),
-    "log_interval": (10, "steps per metrics row; the first interval (warm-up) is left out of tokens/s"),
-    "batch": (64, "sequences per optimizer step in both runs (DDP: batch / gpus per process)"),
-    "gpus": (0, "GPUs to use (0 = every visible one)"),
-    "n_layer": (6, "transformer blocks"),
-    "n_head": (6, "attention heads"),
-    "n_embd": (384, "model width"),
-    "block_size": (256, "tokens per sequence"),
-    "precision": ("fp32", "fp32 | bf16 | fp16"),
-    "corpus": ("tinyshakespeare", "tinyshakespeare | offline | a path"),
-    "timeout_s": (600.0, "wall-clock limit of each run (the job is stopped after it)"),
-    "out": ("bench_results", "directory for dp_vs_ddp.json and the two run folders"),
-}
-
-
-class BenchError(RuntimeError):
-    """The benchmark cannot run as asked. The message says why and what to change."""
-
-
-def parse(argv: list[str]) -> dict[str, Any]:
-    """``--key=value`` overrides of the defaults, each converted to its default's type; unknown keys refused."""
-    opts = {k: v for k, (v, _) in OPTIONS.items()}
-    for arg in argv:
-        if arg in ("-h", "--help"):
-            raise SystemExit(usage())
-        if not arg.startswith("--") or "=" not in arg:
-            raise BenchError(f"unexpected argument {arg!r}: options are written --key=value "
-                             f"(see `python -m ddp_course.benchmarks.{NAME} --help`).")
-        key, value = arg[2:].split("=", 1)
-        key = key.replace("-", "_")
-        if key not in opts:
-            close = difflib.get_close_matches(key, list(opts), n=3)
-            hint = f" Did you mean {', '.join('--' + c for c in close)}?" if close else ""
-            raise BenchError(f"unknown option --{key}.{hint} Valid options: {', '.join('--' + k for k in opts)}.")
-        try:
-            opts[key] = type(opts[key])(value)
-        except ValueError:
-            raise BenchError(f"--{key} expects {type(opts[key]).__name__} (got {value!r}).") from None
-    return opts
-
-
-def usage() -> str:
-    lines = [f"usage: python -m ddp_course.benchmarks.{NAME} [--key=value ...]", "", __doc__.strip(), "", "options:"]
-    lines += [f"  --{k}={v!s:<18} {h}" for k, (v, h) in OPTIONS.items()]
-    return "\n".join(lines)
 
 
 def skip_reason(gpus_wanted: int = 0) -> str | None:
@@ -93,9 +47,7 @@ def skip_reason(gpus_wanted: int = 0) -> str | None:
 
 
 def _check(opts: dict[str, Any], n: int) -> None:
-    for key in ("steps", "log_interval", "batch", "n_layer", "n_head", "n_embd", "block_size"):
-        if opts[key] < 1:
-            raise BenchError(f"--{key} must be at least 1 (got {opts[key]}).")
+    harness.positive(opts, "steps", "log_interval", "batch", "n_layer", "n_head", "n_embd", "block_size")
     if opts["batch"] % n:
         raise BenchError(f"--batch={opts['batch']} must divide evenly over {n} GPUs (DDP gives each process "
                          f"batch / {n}); try --batch={max(n, opts['batch'] // n * n)}.")
@@ -113,22 +65,24 @@ def _memory(out_dir: Path) -> dict[int, int]:
     return dict(sorted(peaks.items()))
 
 
-def run(echo: str = "rank0", **overrides: Any) -> dict[str, Any]:
+@harness.bench(NAME,
+               steps=(60, "optimizer steps of each run"),
+               log_interval=(10, "steps per metrics row; the first interval (warm-up) is left out of tokens/s"),
+               batch=(64, "sequences per optimizer step in both runs (DDP: batch / gpus per process)"),
+               gpus=(0, "GPUs to use (0 = every visible one)"),
+               n_layer=(6, "transformer blocks"), n_head=(6, "attention heads"), n_embd=(384, "model width"),
+               block_size=(256, "tokens per sequence"), precision=("fp32", "fp32 | bf16 | fp16"),
+               corpus=("tinyshakespeare", "tinyshakespeare | offline | a path"),
+               timeout_s=(600.0, "wall-clock limit of each run (the job is stopped after it)"),
+               echo=("rank0", "rank0 | all | none: the runs' output shown while they run"))
+def dp_vs_ddp(opts: dict[str, Any]) -> dict[str, Any]:
     """Run the comparison (or record the skip) and return the result written to ``<out>/dp_vs_ddp.json``."""
-    from ddp_course import launch
-    from ddp_course.metrics import environment, write_json
-
-    opts = parse([f"--{k}={v}" for k, v in overrides.items()])
     out = Path(opts["out"])
     reason = skip_reason(opts["gpus"])
     if reason is not None:
         print(f"[{NAME}] skipped: {reason}", flush=True)
-        result = {"bench": NAME, "skipped": True, "reason": reason, "cuda_available": torch.cuda.is_available(),
-                  "gpus_visible": torch.cuda.device_count() if torch.cuda.is_available() else 0,
-                  "options": opts, "environment": environment()}
-        write_json(out / f"{NAME}.json", result)
-        print(f"[{NAME}] wrote {show(out / f'{NAME}.json')}", flush=True)
-        return result
+        return {"bench": NAME, "skipped": True, "reason": reason, "cuda_available": torch.cuda.is_available(),
+                "gpus_visible": torch.cuda.device_count() if torch.cuda.is_available() else 0, "options": opts}
 
     visible = torch.cuda.device_count()
     n = opts["gpus"] or visible
@@ -148,8 +102,9 @@ def run(echo: str = "rank0", **overrides: Any) -> dict[str, Any]:
     for kind, nproc, micro in (("dp", 1, opts["batch"]), ("ddp", n, opts["batch"] // n)):
         for stale in (base / kind).glob("gpu_memory_rank*.json"):  # a re-run must not mix in old ranks
             stale.unlink()
-        r = launch.run(LAB, nproc=nproc, out_dir=base / kind, timeout=opts["timeout_s"], echo=echo,
-                       use_torchrun=kind == "ddp", env=env, strategy=kind, micro_batch_size=micro, **common)
+        r = harness.launch(LAB, nproc, what=f"the {kind} run", out_dir=base / kind, timeout=opts["timeout_s"],
+                           echo=opts["echo"], use_torchrun=kind == "ddp", env=env, strategy=kind,
+                           micro_batch_size=micro, **common)
         s = r.summary
         if s is None:
             raise BenchError(f"the {kind} run finished but wrote no summary.json in {r.out_dir}")
@@ -167,7 +122,7 @@ def run(echo: str = "rank0", **overrides: Any) -> dict[str, Any]:
     result = {"bench": NAME, "skipped": False, "options": opts, "gpus": n, "gpu_name": torch.cuda.get_device_name(0),
               "runs": runs, "ddp_over_dp_tokens_per_s": ddp["tokens_per_s"] / dp["tokens_per_s"],
               "dp_gpu0_over_other_gpus_memory": dp_mem[0] / others if others else float("inf"),
-              "final_loss_diff": abs(dp["final_loss"] - ddp["final_loss"]), "environment": environment()}
+              "final_loss_diff": abs(dp["final_loss"] - ddp["final_loss"])}
 
     mib = 2**20
     head = f"{'strategy':<9} {'processes':>9} {'tokens/s':>12} " + " ".join(f"{'GPU' + str(i) + ' MiB':>10}" for i in range(n))
@@ -178,26 +133,15 @@ def run(echo: str = "rank0", **overrides: Any) -> dict[str, Any]:
               + " ".join(f"{m / mib:>10,.0f}" for m in mem) + f" {row['final_loss']:>10.4f}")
     print(f"\nDDP / DP throughput = {result['ddp_over_dp_tokens_per_s']:.2f}; under DP, GPU 0 peaks at "
           f"{result['dp_gpu0_over_other_gpus_memory']:.2f}x the mean of the other GPUs")
-    write_json(out / f"{NAME}.json", result)
-    print(f"[{NAME}] wrote {show(out / f'{NAME}.json')}", flush=True)
     return result
 
 
-def main(argv: list[str] | None = None) -> int:
-    from ddp_course.launch import LaunchError
+def run(echo: str = "rank0", **overrides: Any) -> dict[str, Any]:
+    """From Python: ``run(steps=40, out="runs/x", echo="none")``; returns the result (also written as JSON)."""
+    return harness.run(NAME, echo=echo, **overrides)
 
-    argv = sys.argv[1:] if argv is None else argv
-    try:
-        opts = parse(argv)
-    except BenchError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    try:
-        run(**opts)
-    except (BenchError, LaunchError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    return 0
+
+_, main = harness.entry_points(NAME)
 
 
 if __name__ == "__main__":

@@ -26,93 +26,33 @@ Prints a table and writes ``<out>/no_sync.json`` (``--out`` defaults to ``bench_
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import statistics
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from ddp_course.paths import show
+from ddp_course import bench as harness
+from ddp_course.bench import BenchError, OptionError
 
 NAME = "no_sync"
 
-DEFAULTS: dict[str, Any] = {
-    "ks": "1,2,4,8",
-    "world_sizes": "1,2",
-    "rounds": 5,
-    "steps": 3,
-    "warmup": 1,
-    "micro_batch_size": 4,
-    "block_size": 32,
-    "n_layer": 2,
-    "n_head": 4,
-    "n_embd": 128,
-    "bucket_cap_mb": 25.0,
-    "threads": 1,
-    "device": "auto",
-    "seed": 0,
-    "timeout_s": 300.0,
-    "out": "bench_results",
-    "worker": False,
-    "out_dir": "",
-}
 
-HELP = {
-    "ks": "micro-batches per optimizer step to try (comma-separated)",
-    "world_sizes": "processes per job to try (comma-separated); each is one torchrun job",
-    "rounds": "timed rounds; each times every K in both modes, modes in alternating order",
-    "steps": "optimizer steps per timed measurement",
-    "warmup": "untimed optimizer steps of each (K, mode) first",
-    "micro_batch_size": "sequences per micro-batch per rank",
-    "block_size": "tokens per sequence",
-    "n_layer": "transformer blocks", "n_head": "attention heads", "n_embd": "model width",
-    "bucket_cap_mb": "DDP gradient bucket size",
-    "threads": "CPU threads per process",
-    "device": "auto (GPUs when each rank of a job gets one, else CPU; one device for every job) | cpu | cuda",
-    "seed": "model init and data",
-    "timeout_s": "wall-clock limit of each job (all its processes are stopped after it)",
-    "out": "directory for no_sync.json and the per-job folders",
-    "worker": "internal: run as one rank of a job (set by the bench itself)",
-    "out_dir": "internal: where a job's ranks write their result",
-}
-
-
-class BenchError(RuntimeError):
-    """The benchmark cannot run or its result is not valid. The message says why."""
+def _check(opts: dict[str, Any]) -> None:
+    """Refuse options that cannot give a measurement; ``ks`` and ``world_sizes`` become lists."""
+    for key in ("ks", "world_sizes"):
+        opts[key] = harness.int_list(opts, key, "1,2,4")
+        if not opts[key] or min(opts[key]) < 1:
+            raise OptionError(f"--{key}={','.join(map(str, opts[key]))!r} must list integers of at least 1.")
+    harness.positive(opts, "rounds", "steps", "micro_batch_size", "block_size", "threads")
+    harness.positive(opts, "warmup", least=0)
+    if opts["n_embd"] % opts["n_head"]:
+        raise OptionError(f"--n_embd={opts['n_embd']} must be divisible by --n_head={opts['n_head']}.")
 
 
 def parse_options(argv: list[str]) -> dict[str, Any]:
-    from ddp_course.course.l06_grad_accumulation.no_sync_lab import parse_args
-
-    try:
-        opts = parse_args(argv, DEFAULTS, HELP, prog="python -m ddp_course.bench no_sync", doc=__doc__)
-    except SystemExit as exc:
-        if str(exc.code).startswith("error: "):
-            raise BenchError(str(exc.code)[len("error: "):]) from None
-        raise
-    for key in ("ks", "world_sizes"):
-        try:
-            values = [int(v) for v in str(opts[key]).split(",") if v.strip()]
-        except ValueError:
-            raise BenchError(f"--{key}={opts[key]!r} must be comma-separated integers, e.g. --{key}=1,2,4.") from None
-        if not values or min(values) < 1:
-            raise BenchError(f"--{key}={opts[key]!r} must list integers of at least 1.")
-        opts[key] = values
-    for key in ("rounds", "steps", "micro_batch_size", "block_size", "threads"):
-        if opts[key] < 1:
-            raise BenchError(f"--{key} must be at least 1 (got {opts[key]}).")
-    if opts["warmup"] < 0:
-        raise BenchError(f"--warmup must be 0 or more (got {opts['warmup']}).")
-    if opts["n_embd"] % opts["n_head"]:
-        raise BenchError(f"--n_embd={opts['n_embd']} must be divisible by --n_head={opts['n_head']}.")
-    return opts
-
-
-def _median(xs: list[float]) -> float:
-    return statistics.median(xs) if xs else float("nan")
+    """The options of ``--key=value`` arguments, checked; raises :class:`ddp_course.bench.OptionError`."""
+    return harness.parse_options(NAME, argv)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -214,26 +154,36 @@ def worker(opts: dict[str, Any]) -> None:
             out = {"world_size": info.world_size, "backend": info.backend, "device": str(device),
                    "threads": torch.get_num_threads(), "n_params": n_params, "n_buckets": n_buckets,
                    "allreduce_s": allreduce_s, "counts": counts, "step_times_s": times}
-            path = Path(opts["out_dir"]) / "worker.json"
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(out, indent=1), encoding="utf-8")
+            from ddp_course.metrics import write_json
+
+            write_json(Path(opts["out_dir"]) / "worker.json", out)
 
 
 # --------------------------------------------------------------------------------------------------
 # the bench: one job per world size, then the table
 
+@harness.bench(NAME, check=_check, worker=worker, usage_exit=1,
+               ks=("1,2,4,8", "micro-batches per optimizer step to try (comma-separated)"),
+               world_sizes=("1,2", "processes per job to try (comma-separated); each is one torchrun job"),
+               rounds=(5, "timed rounds; each times every K in both modes, modes in alternating order"),
+               steps=(3, "optimizer steps per timed measurement"),
+               warmup=(1, "untimed optimizer steps of each (K, mode) first"),
+               micro_batch_size=(4, "sequences per micro-batch per rank"),
+               block_size=(32, "tokens per sequence"),
+               n_layer=(2, "transformer blocks"), n_head=(4, "attention heads"), n_embd=(128, "model width"),
+               bucket_cap_mb=(25.0, "DDP gradient bucket size"),
+               threads=(1, "CPU threads per process"),
+               device=("auto", "auto (GPUs when each rank of a job gets one, else CPU; one device for every job) "
+                               "| cpu | cuda"),
+               seed=(0, "model init and data"),
+               timeout_s=(300.0, "wall-clock limit of each job (all its processes are stopped after it)"))
 def run_bench(opts: dict[str, Any]) -> dict[str, Any]:
     """Run the bench with parsed options; returns the result written to ``<out>/no_sync.json``."""
-    from ddp_course.dist import DeviceError, choose_study_device, cpu_count
-    from ddp_course.launch import LaunchError, run
-    from ddp_course.metrics import environment
+    from ddp_course.dist import cpu_count
 
     base = Path(opts["out"]).resolve()
     cores = cpu_count()
-    try:  # one kind of device for every job of the bench (and the world sizes that fit on it)
-        device, world_sizes, reason = choose_study_device(opts["device"], opts["world_sizes"])
-    except DeviceError as exc:
-        raise BenchError(str(exc)) from None
+    device, world_sizes, reason = harness.study_device(opts["device"], opts["world_sizes"])
     opts = {**opts, "device": device, "world_sizes": world_sizes}
     print(f"[no_sync bench] {reason}", flush=True)
     print(f"[no_sync bench] K = {', '.join(map(str, opts['ks']))} on {', '.join(map(str, opts['world_sizes']))} "
@@ -252,16 +202,9 @@ def run_bench(opts: dict[str, Any]) -> dict[str, Any]:
                   "oversubscribe the CPU: the times include waiting for a core.", flush=True)
         out_dir = base / f"{NAME}_w{w}"
         (out_dir / "worker.json").unlink(missing_ok=True)
-        try:
-            r = run(__name__ if __name__ != "__main__" else "ddp_course.course.l06_grad_accumulation.bench_no_sync", nproc=w,
-                    out_dir=out_dir, timeout=opts["timeout_s"], progress=False, echo="none", use_torchrun=True,
-                    worker=True, **worker_opts)
-        except LaunchError as exc:
-            raise BenchError(f"the job with {w} process(es) failed: {exc}") from None
-        path = out_dir / "worker.json"
-        if not path.is_file():
-            raise BenchError(f"the job with {w} process(es) finished but wrote no {path}. Its output:\n{r.output[-2000:]}")
-        res = json.loads(path.read_text(encoding="utf-8"))
+        r = harness.launch(harness.module_benches()[NAME], w, what=f"the job with {w} process(es)",
+                           timeout=opts["timeout_s"], out_dir=out_dir, use_torchrun=True, worker=True, **worker_opts)
+        res = harness.job_result(r)
         # The bench is only valid if the two modes do what they claim: 1 vs K all-reduces per step.
         b = res["n_buckets"]
         for k in opts["ks"]:
@@ -272,8 +215,8 @@ def run_bench(opts: dict[str, Any]) -> dict[str, Any]:
                                  f"with and without no_sync, counted {got_ns} and {got_s}.")
         rows = []
         for k in opts["ks"]:
-            ns = _median(res["step_times_s"][f"{k}/no_sync"])
-            s = _median(res["step_times_s"][f"{k}/sync"])
+            ns = harness.median(res["step_times_s"][f"{k}/no_sync"])
+            s = harness.median(res["step_times_s"][f"{k}/sync"])
             rows.append({"k": k, "no_sync_s": ns, "sync_s": s, "saved_s": s - ns, "saved_frac": (s - ns) / s,
                          "all_reduces_no_sync": 1, "all_reduces_sync": k,
                          "predicted_saved_s": (k - 1) * res["allreduce_s"],
@@ -293,31 +236,11 @@ def run_bench(opts: dict[str, Any]) -> dict[str, Any]:
         print(f"world {job['world_size']}: one all-reduce of the {job['n_params']:,}-parameter gradient takes "
               f"{job['allreduce_s'] * 1e3:.2f} ms ({job['n_buckets']} bucket(s), {job['backend']} on {job['device']})"
               + (" [oversubscribed]" if job["oversubscribed"] else ""))
-    result = {"bench": NAME, "options": opts, "device_reason": reason, "cpu_count": cores, "jobs": jobs,
-              "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None, "environment": environment()}
-    base.mkdir(parents=True, exist_ok=True)
-    (base / f"{NAME}.json").write_text(json.dumps(result, indent=1), encoding="utf-8")
-    print(f"\nwrote {show(base / f'{NAME}.json')}")
-    return result
+    return {"bench": NAME, "options": opts, "device_reason": reason, "cpu_count": cores, "jobs": jobs}
 
 
-def bench(**overrides: Any) -> dict[str, Any]:
-    """From Python: ``bench(ks="1,4", world_sizes="2", rounds=3)``; returns the result dict."""
-    return run_bench(parse_options([f"--{k}={v}" for k, v in overrides.items()]))
-
-
-def main(argv: list[str]) -> int:
-    try:
-        opts = parse_options(argv)
-        if opts["worker"]:
-            worker(opts)
-            return 0
-        run_bench(opts)
-    except BenchError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    return 0
+bench, main = harness.entry_points(NAME)
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main())

@@ -31,7 +31,6 @@ import math
 import os
 import resource
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -40,87 +39,51 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ddp_course.cli import FlagError, parse_flags
+from ddp_course import bench as harness
+from ddp_course.bench import BenchError, OptionError
 from ddp_course.config import TrainConfig
-from ddp_course.metrics import environment, saved_activation_bytes
+from ddp_course.metrics import saved_activation_bytes
 from ddp_course.model import GPTConfig, MiniGPT
-from ddp_course.paths import show
 from ddp_course.train import DTYPES, autocast, build_optimizer, make_scaler, train_step
 
 NAME = "amp"
-PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the directory holding ddp_course/
 VOCAB = 65  # the course's character vocabulary; the bench feeds random token ids (speed does not depend on them)
 CPU_FLAGS = ("avx2", "f16c", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_fp16")
 MEMORY_TAG = "AMP_BENCH_MEMORY "
 
-DEFAULTS: dict[str, Any] = {
-    "precisions": "fp32,bf16,fp16",
-    "tf32": True,
-    "device": "auto",
-    "n_layer": 2,
-    "n_head": 4,
-    "n_embd": 128,
-    "block_size": 64,
-    "micro_batch_size": 16,
-    "rounds": 3,
-    "steps": 3,
-    "warmup": 1,
-    "memory": True,
-    "mem_steps": 2,
-    "matmul": 256,
-    "threads": 0,
-    "seed": 0,
-    "timeout_s": 300.0,
-    "out": "bench_results",
-    "child": "",
-}
-
-HELP = {
-    "precisions": "comma-separated, of fp32, bf16, fp16",
-    "tf32": "also time fp32 with TF32 matmuls, on GPUs that have them (compute capability 8.0+)",
-    "device": "auto (the first GPU, else CPU) | cpu | cuda",
-    "n_layer": "transformer blocks", "n_head": "attention heads", "n_embd": "model width",
-    "block_size": "tokens per sequence", "micro_batch_size": "sequences per step",
-    "rounds": "timed rounds; each times every precision, in rotating order",
-    "steps": "optimizer steps per timed measurement",
-    "warmup": "untimed steps of each precision first",
-    "memory": "measure peak memory in a fresh process per precision",
-    "mem_steps": "training steps of each memory process",
-    "matmul": "n of the n x n matmul timed per dtype (0: skip)",
-    "threads": "torch CPU threads (0: leave the default)",
-    "seed": "model init and batch",
-    "timeout_s": "wall-clock limit of each memory process",
-    "out": "directory for amp.json",
-    "child": "internal: run one memory measurement for this variant and print it",
+OPTIONS: dict[str, tuple[Any, str]] = {
+    "precisions": ("fp32,bf16,fp16", "comma-separated, of fp32, bf16, fp16"),
+    "tf32": (True, "also time fp32 with TF32 matmuls, on GPUs that have them (compute capability 8.0+)"),
+    "device": ("auto", "auto (the first GPU, else CPU) | cpu | cuda"),
+    "n_layer": (2, "transformer blocks"), "n_head": (4, "attention heads"), "n_embd": (128, "model width"),
+    "block_size": (64, "tokens per sequence"), "micro_batch_size": (16, "sequences per step"),
+    "rounds": (3, "timed rounds; each times every precision, in rotating order"),
+    "steps": (3, "optimizer steps per timed measurement"),
+    "warmup": (1, "untimed steps of each precision first"),
+    "memory": (True, "measure peak memory in a fresh process per precision"),
+    "mem_steps": (2, "training steps of each memory process"),
+    "matmul": (256, "n of the n x n matmul timed per dtype (0: skip)"),
+    "threads": (0, "torch CPU threads (0: leave the default)"),
+    "seed": (0, "model init and batch"),
+    "timeout_s": (300.0, "wall-clock limit of each memory process"),
+    "child": ("", "internal: the variant a memory process measures (with --worker=true)"),
 }
 
 
-class BenchError(RuntimeError):
-    """The benchmark cannot run or its result is not valid. The message says why."""
-
-
-def parse_options(argv: list[str]) -> dict[str, Any]:
-    try:
-        opts = parse_flags(argv, DEFAULTS, prog="python -m ddp_course.course.l07_mixed_precision.bench_amp")
-    except FlagError as exc:
-        raise BenchError(str(exc)) from None
+def _check(opts: dict[str, Any]) -> None:
+    """Refuse options that cannot give a measurement; ``precisions`` becomes a list."""
     precisions = [p.strip() for p in str(opts["precisions"]).split(",") if p.strip()]
     bad = [p for p in precisions if p not in ("fp32", "bf16", "fp16")]
     if bad or not precisions:
-        raise BenchError(f"--precisions={opts['precisions']!r}: each must be fp32, bf16 or fp16, comma-separated "
-                         "(e.g. --precisions=fp32,bf16).")
+        raise OptionError(f"--precisions={opts['precisions']!r}: each must be fp32, bf16 or fp16, comma-separated "
+                          "(e.g. --precisions=fp32,bf16).")
     opts["precisions"] = precisions
-    for key in ("rounds", "steps", "mem_steps", "micro_batch_size", "block_size", "n_layer", "n_head", "n_embd"):
-        if opts[key] < 1:
-            raise BenchError(f"--{key} must be at least 1 (got {opts[key]}).")
-    for key in ("warmup", "matmul", "threads"):
-        if opts[key] < 0:
-            raise BenchError(f"--{key} must be 0 or more (got {opts[key]}).")
+    harness.positive(opts, "rounds", "steps", "mem_steps", "micro_batch_size", "block_size", "n_layer", "n_head",
+                     "n_embd")
+    harness.positive(opts, "warmup", "matmul", "threads", least=0)
     if opts["n_embd"] % opts["n_head"]:
-        raise BenchError(f"--n_embd={opts['n_embd']} must be divisible by --n_head={opts['n_head']}.")
-    if opts["device"] not in ("auto", "cpu", "cuda"):
-        raise BenchError(f"--device must be auto, cpu or cuda (got {opts['device']!r}).")
-    return opts
+        raise OptionError(f"--n_embd={opts['n_embd']} must be divisible by --n_head={opts['n_head']}.")
+    harness.choice(opts, "device", ("auto", "cpu", "cuda"))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -297,27 +260,21 @@ def peak_rss() -> int:
 
 
 def measure_memory(opts: dict[str, Any], label: str, device) -> dict[str, Any]:
+    """Peak memory of one variant, measured by a fresh process (:func:`child_memory`)."""
     keys = ("n_layer", "n_head", "n_embd", "block_size", "micro_batch_size", "mem_steps", "threads", "seed")
-    cmd = [sys.executable, "-m", "ddp_course.course.l07_mixed_precision.bench_amp", f"--child={label}", f"--device={device.type}",
-           *(f"--{k}={opts[k]}" for k in keys)]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(PACKAGE_ROOT), os.environ.get("PYTHONPATH")]))}
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=opts["timeout_s"], env=env,
-                              cwd=PACKAGE_ROOT)
-    except subprocess.TimeoutExpired:
-        raise BenchError(f"the memory process for {label} did not finish in {opts['timeout_s']:.0f}s "
-                         f"(stopped): {' '.join(cmd)}") from None
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(MEMORY_TAG)]
-    if proc.returncode != 0 or not lines:
-        raise BenchError(f"the memory process for {label} failed (exit code {proc.returncode}): {' '.join(cmd)}\n"
-                         f"{(proc.stdout + proc.stderr)[-2000:]}")
+    r = harness.launch(harness.module_benches()[NAME], 1, what=f"the memory process for {label}",
+                       timeout=opts["timeout_s"], use_torchrun=False, worker=True, child=label, device=device.type,
+                       **{k: opts[k] for k in keys})
+    lines = [ln for ln in r.output.splitlines() if ln.startswith(MEMORY_TAG)]
+    if not lines:
+        raise BenchError(f"the memory process for {label} printed no measurement:\n{r.output[-2000:]}")
     return json.loads(lines[-1][len(MEMORY_TAG):])
 
 
 # --------------------------------------------------------------------------------------------------
 # the bench
 
+@harness.bench(NAME, check=_check, worker=child_memory, usage_exit=1, **OPTIONS)
 def run_bench(opts: dict[str, Any]) -> dict[str, Any]:
     """Run with parsed options; prints the table and returns what it writes to ``<out>/amp.json``."""
     if opts["threads"]:
@@ -410,44 +367,14 @@ def run_bench(opts: dict[str, Any]) -> dict[str, Any]:
         flags = hw["cpu_flags"]
         print(f"\nCPU: PyTorch kernels for {hw['cpu_capability']}; 16-bit features: "
               + ", ".join(f"{f} {'yes' if flags[f] else 'no'}" for f in CPU_FLAGS if f not in ("avx2", "avx512f")))
-    result = {"bench": NAME, "options": opts, "hardware": hw, "rows": rows, "skipped": skipped,
-              "tf32": {"applicable": any(r["tf32"] for r in rows),
-                       "reason": next((s["reason"] for s in skipped if s["label"] == "tf32"), None)},
-              "memory_kind": "cuda_max_memory_allocated" if device.type == "cuda" else "cpu_peak_rss",
-              "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None, "environment": environment()}
-    out = Path(opts["out"])
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{NAME}.json").write_text(json.dumps(result, indent=1, default=str), encoding="utf-8")
-    print(f"\n[amp bench] wrote {show(out / f'{NAME}.json')}")
-    return result
+    return {"bench": NAME, "options": opts, "hardware": hw, "rows": rows, "skipped": skipped,
+            "tf32": {"applicable": any(r["tf32"] for r in rows),
+                     "reason": next((s["reason"] for s in skipped if s["label"] == "tf32"), None)},
+            "memory_kind": "cuda_max_memory_allocated" if device.type == "cuda" else "cpu_peak_rss"}
 
 
-def bench(**overrides: Any) -> dict[str, Any]:
-    """From Python: ``bench(n_embd=64, rounds=3)``; returns the result dict (also written as JSON)."""
-    return run_bench(parse_options([f"--{k}={v}" for k, v in overrides.items()]))
-
-
-def usage() -> str:
-    lines = [__doc__.strip(), "", "options:"]
-    lines += [f"  --{k}={v!s:<18} {HELP[k]}" for k, v in DEFAULTS.items()]
-    return "\n".join(lines)
-
-
-def main(argv: list[str]) -> int:
-    if any(a in ("-h", "--help") for a in argv):
-        print(usage())
-        return 0
-    try:
-        opts = parse_options(argv)
-        if opts["child"]:
-            child_memory(opts)
-        else:
-            run_bench(opts)
-    except BenchError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    return 0
+bench, main = harness.entry_points(NAME)
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main())

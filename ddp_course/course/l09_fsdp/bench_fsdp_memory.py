@@ -27,44 +27,32 @@ Exit code 0 when every target is met, 1 otherwise.
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from ddp_course.paths import show
+from ddp_course import bench as harness
+from ddp_course.bench import BenchError as BenchError  # re-exported: callers catch module.BenchError
+from ddp_course.bench import OptionError
 
 NAME = "fsdp_memory"
 SHARDING_TOL = 0.02  # target 1
 CALC_TOL = 0.05  # target 2
 ALL_VARIANTS = ("ddp", "fsdp", "fsdp_noreshard", "fsdp_bf16", "fsdp_ac", "fsdp_hybrid", "fsdp1", "fsdp1_noreshard",
                 "fsdp1_hybrid")
-DEFAULTS: dict[str, Any] = {"world_sizes": "2,4", "variants": ",".join(ALL_VARIANTS), "steps": 2, "n_layer": 2,
-                            "n_head": 4, "n_embd": 64, "block_size": 32, "micro_batch_size": 4, "device": "auto",
-                            "timeout_s": 300.0, "out": "bench_results"}
 QUANTITIES = ("params", "grads", "optimizer", "activations")
 
 
-class BenchError(RuntimeError):
-    """The benchmark cannot run. The message says why."""
-
-
-def parse(argv: list[str]) -> dict[str, Any]:
-    from ddp_course.cli import FlagError, parse_flags
-
-    try:
-        opts = parse_flags(argv, DEFAULTS, prog="python -m ddp_course.bench fsdp_memory")
-        opts["world_sizes"] = [int(w) for w in str(opts["world_sizes"]).split(",") if w.strip()]
-    except (FlagError, ValueError) as exc:
-        raise BenchError(str(exc)) from None
+def _check(opts: dict[str, Any]) -> None:
+    """Refuse options that cannot give a measurement; ``world_sizes`` becomes a list."""
+    opts["world_sizes"] = harness.int_list(opts, "world_sizes", "2,4")
     if not opts["world_sizes"] or min(opts["world_sizes"]) < 2:
-        raise BenchError("--world_sizes lists processes per job, each at least 2 (FSDP shards over ranks), e.g. 2,4.")
+        raise OptionError("--world_sizes lists processes per job, each at least 2 (FSDP shards over ranks), e.g. 2,4.")
     unknown = [v for v in opts["variants"].split(",") if v and v not in ALL_VARIANTS]
     if unknown or "ddp" not in opts["variants"].split(","):
-        raise BenchError(f"--variants must include ddp (the reference) and only names from {', '.join(ALL_VARIANTS)}"
-                         f"{f'; unknown: {unknown}' if unknown else ''}.")
-    return opts
+        raise OptionError(f"--variants must include ddp (the reference) and only names from {', '.join(ALL_VARIANTS)}"
+                          f"{f'; unknown: {unknown}' if unknown else ''}.")
 
 
 def variants_for(world_size: int, variants: str) -> list[str]:
@@ -101,9 +89,16 @@ def evaluate(report: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
+@harness.bench(NAME, check=_check,
+               world_sizes=("2,4", "processes per job (comma-separated); each is one torchrun job"),
+               variants=(",".join(ALL_VARIANTS), "comma-separated, ddp among them"),
+               steps=(2, "optimizer steps of each variant"),
+               n_layer=(2, "transformer blocks"), n_head=(4, "attention heads"), n_embd=(64, "model width"),
+               block_size=(32, "tokens per sequence"), micro_batch_size=(4, "sequences per rank per step"),
+               device=("auto", "auto (GPUs when each process has one, else CPU) | cpu | cuda"),
+               timeout_s=(300.0, "wall-clock limit of each job (all its processes are stopped after it)"))
 def run(opts: dict[str, Any]) -> dict[str, Any]:
-    from ddp_course.launch import run as launch
-
+    """Run the lab at every world size, print the table; PASS when both targets are met."""
     out = Path(opts["out"])
     reports, rows = [], []
     lab_opts = {k: opts[k] for k in ("steps", "n_layer", "n_head", "n_embd", "block_size", "micro_batch_size",
@@ -111,20 +106,24 @@ def run(opts: dict[str, Any]) -> dict[str, Any]:
     for ws in opts["world_sizes"]:
         run_dir = out / f"{NAME}_w{ws}"
         t0 = time.perf_counter()
-        launch("ddp_course.course.l09_fsdp.fsdp_lab", nproc=ws, out_dir=run_dir, timeout=opts["timeout_s"], echo="none",
-               progress=False, variants=",".join(variants_for(ws, opts["variants"])), **lab_opts)
-        report = json.loads((run_dir / "fsdp_lab.json").read_text(encoding="utf-8"))
+        r = harness.launch("ddp_course.course.l09_fsdp.fsdp_lab", ws, what=f"the job with {ws} processes",
+                           out_dir=run_dir, timeout=opts["timeout_s"],
+                           variants=",".join(variants_for(ws, opts["variants"])), **lab_opts)
+        report = harness.job_result(r, "fsdp_lab.json")
         report["wall_s"] = time.perf_counter() - t0
         reports.append(report)
         rows += evaluate(report)
     sharding = [r for r in rows if "sharding_error" in r]
     worst_shard = max((r["sharding_error"] for r in sharding), default=float("nan"))
     worst_calc = max(r["calc_error"] for r in rows)
-    return {"name": NAME, "options": opts, "device": reports[0]["device"], "rows": rows,
-            "targets": {"sharding": {"tolerance": SHARDING_TOL, "worst": worst_shard,
-                                     "met": bool(sharding) and worst_shard <= SHARDING_TOL},
-                        "calculator": {"tolerance": CALC_TOL, "worst": worst_calc, "met": worst_calc <= CALC_TOL}},
-            "jobs": [{"world_size": r["world_size"], "wall_s": r["wall_s"]} for r in reports]}
+    targets = {"sharding": {"tolerance": SHARDING_TOL, "worst": worst_shard,
+                            "met": bool(sharding) and worst_shard <= SHARDING_TOL},
+               "calculator": {"tolerance": CALC_TOL, "worst": worst_calc, "met": worst_calc <= CALC_TOL}}
+    result = {"name": NAME, "options": opts, "device": reports[0]["device"], "rows": rows, "targets": targets,
+              "jobs": [{"world_size": r["world_size"], "wall_s": r["wall_s"]} for r in reports],
+              "pass": all(t["met"] for t in targets.values())}
+    print(table(result))
+    return result
 
 
 def table(result: dict[str, Any]) -> str:
@@ -151,24 +150,8 @@ def table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str]) -> int:
-    if argv and argv[0] in ("-h", "--help"):
-        print(__doc__)
-        print("options (defaults): " + " ".join(f"--{k}={v}" for k, v in DEFAULTS.items()))
-        return 0
-    try:
-        opts = parse(argv)
-    except BenchError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    result = run(opts)
-    print(table(result))
-    out = Path(opts["out"])
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{NAME}.json").write_text(json.dumps(result, indent=1), encoding="utf-8")
-    print(f"wrote {show(out / (NAME + '.json'))}")
-    return 0 if all(t["met"] for t in result["targets"].values()) else 1
+_, main = harness.entry_points(NAME)
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main())

@@ -24,70 +24,39 @@ Prints a table and writes ``<out>/compile_ddp.json`` (``--out`` defaults to ``be
 
 from __future__ import annotations
 
-import json
-import os
 import shutil
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
-from ddp_course.paths import show
+from ddp_course import bench as harness
+from ddp_course.bench import BenchError as BenchError  # re-exported: callers catch module.BenchError
+from ddp_course.bench import OptionError
 
 NAME = "compile_ddp"
 LAB = "ddp_course.course.l10_scaling.compile_ddp"
 
-DEFAULTS: dict[str, Any] = {
-    "nproc": 2,
-    "backend": "inductor",
-    "cold": True,
-    "n_layer": 2, "n_head": 4, "n_embd": 192, "block_size": 64,
-    "micro_batch_size": 8,
-    "timing_steps": 20,
-    "device": "auto",
-    "timeout_s": 900.0,
-    "out": "bench_results",
-}
 
-HELP = {
-    "nproc": "DDP processes",
-    "backend": "inductor | aot_eager | eager",
-    "cold": "true: an empty inductor cache for this run; false: the user's cache",
-    "n_layer": "transformer blocks", "n_head": "attention heads", "n_embd": "model width",
-    "block_size": "tokens per sequence", "micro_batch_size": "sequences per rank per step",
-    "timing_steps": "steady-state steps timed (after two warm-up steps)",
-    "device": "auto (NCCL on GPUs when each process has one, else gloo on CPU) | cpu | cuda",
-    "timeout_s": "wall-clock limit of the job",
-    "out": "directory for compile_ddp.json and the lab's run folder",
-}
-
-
-class BenchError(RuntimeError):
-    """The benchmark cannot run or its result is not valid. The message says why."""
-
-
-def parse_options(argv: list[str]) -> dict[str, Any]:
-    from ddp_course.course.l06_grad_accumulation.no_sync_lab import parse_args
-
-    try:
-        opts = parse_args(argv, DEFAULTS, HELP, prog=f"python -m ddp_course.benchmarks.{NAME}", doc=__doc__)
-    except SystemExit as exc:
-        if str(exc.code).startswith("error: "):
-            raise BenchError(str(exc.code)[len("error: "):]) from None
-        raise
+def _check(opts: dict[str, Any]) -> None:
+    """Refuse options the lab cannot run."""
     if opts["nproc"] < 2:
-        raise BenchError("--nproc must be at least 2: the lab compiles a DDP model.")
-    if opts["device"] not in ("auto", "cpu", "cuda"):
-        raise BenchError(f"--device must be auto, cpu or cuda (got {opts['device']!r}).")
-    if opts["backend"] not in ("inductor", "aot_eager", "eager"):
-        raise BenchError(f"--backend must be inductor, aot_eager or eager (got {opts['backend']!r}).")
-    return opts
+        raise OptionError("--nproc must be at least 2: the lab compiles a DDP model.")
+    harness.choice(opts, "device", ("auto", "cpu", "cuda"))
+    harness.choice(opts, "backend", ("inductor", "aot_eager", "eager"))
 
 
+@harness.bench(NAME, check=_check, usage_exit=1,
+               nproc=(2, "DDP processes"),
+               backend=("inductor", "inductor | aot_eager | eager"),
+               cold=(True, "true: an empty inductor cache for this run; false: the user's cache"),
+               n_layer=(2, "transformer blocks"), n_head=(4, "attention heads"), n_embd=(192, "model width"),
+               block_size=(64, "tokens per sequence"), micro_batch_size=(8, "sequences per rank per step"),
+               timing_steps=(20, "steady-state steps timed (after two warm-up steps)"),
+               device=("auto", "auto (NCCL on GPUs when each process has one, else gloo on CPU) | cpu | cuda"),
+               timeout_s=(900.0, "wall-clock limit of the job"))
 def run_bench(opts: dict[str, Any]) -> dict[str, Any]:
-    from ddp_course.dist import DeviceError, choose_device
-    from ddp_course.launch import LaunchError, run
-
+    """Run the lab with timing on; returns the result written to ``<out>/compile_ddp.json``."""
     base = Path(opts["out"]).resolve()
     lab_dir = base / NAME
     env = {}
@@ -96,22 +65,17 @@ def run_bench(opts: dict[str, Any]) -> dict[str, Any]:
         env["TORCHINDUCTOR_CACHE_DIR"] = cold_dir
     flags = {k: opts[k] for k in ("backend", "n_layer", "n_head", "n_embd", "block_size", "micro_batch_size",
                                   "timing_steps", "device")}
-    try:
-        _, _, reason = choose_device(opts["device"], opts["nproc"])  # what every rank of the job will choose
-    except DeviceError as exc:
-        raise BenchError(str(exc)) from None
+    _, _, reason = harness.device_for(opts["device"], opts["nproc"])
     print(f"[compile_ddp] {opts['nproc']} processes, {reason}; backend {opts['backend']}, "
           f"{'an empty' if opts['cold'] else 'the existing'} inductor cache; MiniGPT {opts['n_layer']} x "
           f"{opts['n_embd']}, {opts['micro_batch_size']} x {opts['block_size']} tokens per rank", flush=True)
     try:
-        r = run(LAB, nproc=opts["nproc"], out_dir=lab_dir, timeout=opts["timeout_s"], progress=False, echo="none",
-                env=env, timing=True, breakages=False, variants="eager,compile(DDP(model))", steps=3, **flags)
-    except LaunchError as exc:
-        raise BenchError(f"the lab failed: {exc}") from None
+        r = harness.launch(LAB, opts["nproc"], what="the lab", out_dir=lab_dir, timeout=opts["timeout_s"], env=env,
+                           timing=True, breakages=False, variants="eager,compile(DDP(model))", steps=3, **flags)
     finally:
         if cold_dir:
             shutil.rmtree(cold_dir, ignore_errors=True)
-    lab = json.loads((lab_dir / "compile_ddp.json").read_text(encoding="utf-8"))
+    lab = harness.job_result(r, "compile_ddp.json")
     t = lab["timing"]
     a = lab["variants"]["compile(DDP(model))"]
     res = {
@@ -134,27 +98,11 @@ def run_bench(opts: dict[str, Any]) -> dict[str, Any]:
     print(f"steady step, compile(DDP(model)):     {res['compiled_step_s'] * 1e3:8.2f} ms")
     for label, be in (("warm", res["break_even_steps"]), ("cold", res["cold_break_even_steps"])):
         print(f"break-even, {label} compile:                {f'{be:,.0f} steps' if be else 'never (compiled steps are not faster here)'}")
-    result = {"bench": NAME, "options": opts, "result": res, "lab": lab, "job_wall_s": r.elapsed_s,
-              "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None}
-    base.mkdir(parents=True, exist_ok=True)
-    (base / f"{NAME}.json").write_text(json.dumps(result, indent=1), encoding="utf-8")
-    print(f"\nwrote {show(base / f'{NAME}.json')}")
-    return result
+    return {"bench": NAME, "options": opts, "result": res, "lab": lab, "job_wall_s": r.elapsed_s}
 
 
-def bench(**overrides: Any) -> dict[str, Any]:
-    """From Python: ``bench(n_layer=1, cold=False)``; returns the result dict."""
-    return run_bench(parse_options([f"--{k}={v}" for k, v in overrides.items()]))
-
-
-def main(argv: list[str]) -> int:
-    try:
-        run_bench(parse_options(argv))
-    except BenchError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    return 0
+bench, main = harness.entry_points(NAME)
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main())

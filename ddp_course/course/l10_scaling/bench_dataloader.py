@@ -32,63 +32,19 @@ bench prints the core count so the result can be read against it. Prints a table
 
 from __future__ import annotations
 
-import json
-import os
 import statistics
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from ddp_course.paths import show
+from ddp_course import bench as harness
+from ddp_course.bench import BenchError as BenchError  # re-exported: callers catch module.BenchError
+from ddp_course.bench import OptionError
 
 NAME = "dataloader"
-
-DEFAULTS: dict[str, Any] = {
-    "batches": 8,
-    "rounds": 3,
-    "batch_size": 8,
-    "block_size": 64,
-    "repeats": 300,
-    "consumer": "train",
-    "n_layer": 2, "n_head": 4, "n_embd": 64,
-    "workers": "0,1,2",
-    "prefetch": "2,4",
-    "epochs": 3,
-    "epoch_batches": 4,
-    "threads": 1,
-    "device": "auto",
-    "corpus": "tinyshakespeare",
-    "seed": 0,
-    "out": "bench_results",
-}
-
-HELP = {
-    "batches": "timed batches per configuration and round (after the first)",
-    "rounds": "rounds; each measures every configuration, in a rotated order; medians are reported",
-    "batch_size": "sequences per batch",
-    "block_size": "tokens per sequence",
-    "repeats": "times each window is tokenized when read (the per-sample CPU work)",
-    "consumer": "train (forward+backward of MiniGPT per batch) | none (the loader alone)",
-    "n_layer": "consumer model: blocks", "n_head": "consumer model: heads", "n_embd": "consumer model: width",
-    "workers": "num_workers values to compare (comma-separated)",
-    "prefetch": "prefetch_factor values to compare with the most workers (comma-separated)",
-    "epochs": "short epochs for the persistent_workers comparison",
-    "epoch_batches": "batches per short epoch",
-    "threads": "torch threads of the training process (workers use 1)",
-    "device": "auto (the first GPU, else CPU) | cpu | cuda: where the consumer's forward and backward run",
-    "corpus": "tinyshakespeare | offline | a path",
-    "seed": "sample order",
-    "out": "directory for dataloader.json",
-}
-
-
-class BenchError(RuntimeError):
-    """The benchmark cannot run or its result is not valid. The message says why."""
-
 
 class TokenizeOnRead(Dataset):
     """Windows of raw text, tokenized when read: ``repeats`` passes of the character tokenizer.
@@ -113,32 +69,18 @@ class TokenizeOnRead(Dataset):
         return t[:-1], t[1:]
 
 
-def parse_options(argv: list[str]) -> dict[str, Any]:
-    from ddp_course.course.l06_grad_accumulation.no_sync_lab import parse_args
-
-    try:
-        opts = parse_args(argv, DEFAULTS, HELP, prog=f"python -m ddp_course.benchmarks.{NAME}", doc=__doc__)
-    except SystemExit as exc:
-        if str(exc.code).startswith("error: "):
-            raise BenchError(str(exc.code)[len("error: "):]) from None
-        raise
+def _check(opts: dict[str, Any]) -> None:
+    """Refuse options that cannot give a measurement; ``workers`` and ``prefetch`` become lists."""
     for key in ("workers", "prefetch"):
-        try:
-            opts[key] = [int(v) for v in str(opts[key]).split(",") if v.strip()]
-        except ValueError:
-            raise BenchError(f"--{key}={opts[key]!r} must be comma-separated integers.") from None
+        opts[key] = harness.int_list(opts, key, "0,1,2")
     if not opts["workers"] or min(opts["workers"]) < 0:
-        raise BenchError(f"--workers must list counts of 0 or more (got {opts['workers']}).")
+        raise OptionError(f"--workers must list counts of 0 or more (got {opts['workers']}).")
     if not opts["prefetch"] or min(opts["prefetch"]) < 1:
-        raise BenchError(f"--prefetch must list factors of at least 1 (got {opts['prefetch']}).")
-    for key in ("batches", "rounds", "batch_size", "block_size", "repeats", "epochs", "epoch_batches", "threads"):
-        if opts[key] < 1:
-            raise BenchError(f"--{key} must be at least 1 (got {opts[key]}).")
-    if opts["device"] not in ("auto", "cpu", "cuda"):
-        raise BenchError(f"--device must be auto, cpu or cuda (got {opts['device']!r}).")
-    if opts["consumer"] not in ("train", "none"):
-        raise BenchError(f"--consumer must be train or none (got {opts['consumer']!r}).")
-    return opts
+        raise OptionError(f"--prefetch must list factors of at least 1 (got {opts['prefetch']}).")
+    harness.positive(opts, "batches", "rounds", "batch_size", "block_size", "repeats", "epochs", "epoch_batches",
+                     "threads")
+    harness.choice(opts, "device", ("auto", "cpu", "cuda"))
+    harness.choice(opts, "consumer", ("train", "none"))
 
 
 def measure(loader_kwargs: dict[str, Any], ds: Dataset, order: list[int], opts: dict[str, Any], step, n_batches: int,
@@ -169,16 +111,30 @@ def measure(loader_kwargs: dict[str, Any], ds: Dataset, order: list[int], opts: 
             "first_batch_each_epoch_s": first}
 
 
+@harness.bench(NAME, check=_check, usage_exit=1,
+               batches=(8, "timed batches per configuration and round (after the first)"),
+               rounds=(3, "rounds; each measures every configuration, in a rotated order; medians are reported"),
+               batch_size=(8, "sequences per batch"), block_size=(64, "tokens per sequence"),
+               repeats=(300, "times each window is tokenized when read (the per-sample CPU work)"),
+               consumer=("train", "train (forward+backward of MiniGPT per batch) | none (the loader alone)"),
+               n_layer=(2, "consumer model: blocks"), n_head=(4, "consumer model: heads"),
+               n_embd=(64, "consumer model: width"),
+               workers=("0,1,2", "num_workers values to compare (comma-separated)"),
+               prefetch=("2,4", "prefetch_factor values to compare with the most workers (comma-separated)"),
+               epochs=(3, "short epochs for the persistent_workers comparison"),
+               epoch_batches=(4, "batches per short epoch"),
+               threads=(1, "torch threads of the training process (workers use 1)"),
+               device=("auto", "auto (the first GPU, else CPU) | cpu | cuda: where the consumer's forward and "
+                               "backward run"),
+               corpus=("tinyshakespeare", "tinyshakespeare | offline | a path"),
+               seed=(0, "sample order"))
 def run_bench(opts: dict[str, Any]) -> dict[str, Any]:
+    """Time every DataLoader configuration; returns the result written to ``<out>/dataloader.json``."""
     from ddp_course.data import CharTokenizer, load_corpus
-    from ddp_course.dist import DeviceError, choose_device, cpu_count
-    from ddp_course.metrics import environment
+    from ddp_course.dist import cpu_count
     from ddp_course.model import GPTConfig, MiniGPT
 
-    try:
-        device_type, _, reason = choose_device(opts["device"], 1)  # one process: the first GPU, if any
-    except DeviceError as exc:
-        raise BenchError(str(exc)) from None
+    device_type, _, reason = harness.device_for(opts["device"], 1)  # one process: the first GPU, if any
     device = torch.device("cuda", torch.cuda.current_device()) if device_type.type == "cuda" else torch.device("cpu")
     reason = reason.replace(" with gloo", "").replace(" with NCCL", "")  # one process: no backend
     torch.set_num_threads(opts["threads"])
@@ -273,31 +229,14 @@ def run_bench(opts: dict[str, Any]) -> dict[str, Any]:
         r["speedup_vs_0_workers"] = base["per_batch_s"] / r["per_batch_s"]
         print(f"{r['label']:<36} {r['wait_per_batch_s'] * 1e3:>8.2f} {r['compute_per_batch_s'] * 1e3:>10.2f} "
               f"{r['per_batch_s'] * 1e3:>9.2f} {r['speedup_vs_0_workers']:>8.2f}")
-    result = {"bench": NAME, "options": opts, "device": device.type, "device_reason": reason,
-              "cpu_count": cores, "sample_s": sample_s,
-              "batch_read_s": sample_s * opts["batch_size"], "rows": rows, "persistent": persistent,
-              "pin_memory": pin_memory, "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None,
-              "environment": environment()}
-    out = Path(opts["out"]).resolve()
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{NAME}.json").write_text(json.dumps(result, indent=1), encoding="utf-8")
-    print(f"\nwrote {show(out / f'{NAME}.json')}")
-    return result
+    return {"bench": NAME, "options": opts, "device": device.type, "device_reason": reason,
+            "cpu_count": cores, "sample_s": sample_s,
+            "batch_read_s": sample_s * opts["batch_size"], "rows": rows, "persistent": persistent,
+            "pin_memory": pin_memory}
 
 
-def bench(**overrides: Any) -> dict[str, Any]:
-    """From Python: ``bench(batches=10)``; returns the result dict."""
-    return run_bench(parse_options([f"--{k}={v}" for k, v in overrides.items()]))
-
-
-def main(argv: list[str]) -> int:
-    try:
-        run_bench(parse_options(argv))
-    except BenchError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    return 0
+bench, main = harness.entry_points(NAME)
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main())

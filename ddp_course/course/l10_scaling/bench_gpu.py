@@ -17,7 +17,7 @@ x 2 heads x 128 wide; shakespeare: block 64, batch 8; gpt2: block 128, batch 4, 
 for it). The first printed line says what runs.
 
 For each size and compile setting, the course's loop (``train_step`` with its per-step learning-rate
-update, as ``run_training`` runs it) and a minimal hand-written loop (``_hand_step`` of the ``overhead``
+update, as ``run_training`` runs it) and a minimal hand-written loop (``hand_step`` of the ``overhead``
 bench, with autocast written by hand) train the same model from the same seed on the same pre-made
 batches, copied in from pinned host memory with ``non_blocking=True`` on a GPU. Each loop is timed in
 ``--repeats`` blocks of ``--steps`` steps (who goes first alternates), synchronising only at the
@@ -45,8 +45,9 @@ from typing import Any
 
 import torch
 
-from ddp_course import bench as harness  # the benchmark harness and the overhead bench's loops
+from ddp_course import bench as harness
 from ddp_course.bench import BenchError
+from ddp_course.course.l01_minigpt import bench_overhead as loops  # the loops and checks of the overhead bench
 
 
 @dataclass(frozen=True)
@@ -146,8 +147,8 @@ def _run_size(name: str, size: Size, opts: dict[str, Any], device: torch.device,
 
     plain_c, plain_h = build(), build()
     cm = parallel.wrap(plain_c, info, cfg)
-    c_opt, h_opt = build_optimizer(cm, cfg, device), harness._hand_optimizer(plain_h, cfg, device)
-    harness._same_optimizer_config(c_opt, h_opt, cm, plain_h)
+    c_opt, h_opt = build_optimizer(cm, cfg, device), loops.hand_optimizer(plain_h, cfg, device)
+    loops.same_optimizer_config(c_opt, h_opt, cm, plain_h)
     scaler = make_scaler(device, cfg.precision)
     n_params, fpt = plain_c.num_params(), plain_c.flops_per_token()
     tokens_per_step = batch * size.block_size
@@ -166,12 +167,12 @@ def _run_size(name: str, size: Size, opts: dict[str, Any], device: torch.device,
     def run(which: str, models: dict[str, torch.nn.Module], n: int, schedule: bool = True) -> torch.Tensor:
         start, done[which] = done[which], done[which] + n
         if which == "course":
-            return harness._course_steps(models["course"], c_opt, scaler, batches, cfg, device, start, n, schedule)
-        return harness._hand_steps(models["hand"], h_opt, batches, start, n, cfg.grad_clip, dtype)
+            return loops.course_steps(models["course"], c_opt, scaler, batches, cfg, device, start, n, schedule)
+        return loops.hand_steps(models["hand"], h_opt, batches, start, n, cfg.grad_clip, dtype)
 
     eager = {"course": cm, "hand": plain_h}
     with sdpa_kernel([SDPBackend.MATH]) if device.type == "cuda" else contextlib.nullcontext():
-        check = harness._same_work_check("gpu", lambda _: run("course", eager, 1, schedule=False),
+        check = loops.same_work_check("gpu", lambda _: run("course", eager, 1, schedule=False),
                                          lambda _: run("hand", eager, 1), cm, plain_h, opts["check_steps"],
                                          rel_tol=1e-3 if device.type == "cuda" else 1e-6)
     check["flash_attention"], check["flash_reason"] = flash
@@ -221,15 +222,15 @@ def _run_size(name: str, size: Size, opts: dict[str, Any], device: torch.device,
                 if device.type == "cuda":
                     other = state["hand" if which == "course" else "course"]
                     mem[which] = max(mem[which], torch.cuda.max_memory_allocated(device) - other)
-        med = {k: harness._median(v) for k, v in tps.items()}
+        med = {k: harness.median(v) for k, v in tps.items()}
         row = {"size": name, "compile": compiled, "n_layer": size.n_layer, "n_head": size.n_head,
                "n_embd": size.n_embd, "block_size": size.block_size, "batch": batch, "vocab_size": vocab,
                "tokens": source, "n_params": n_params, "flops_per_token": fpt, "tokens_per_step": tokens_per_step,
                "course_tokens_per_s": tps["course"], "hand_tokens_per_s": tps["hand"],
                "course_tokens_per_s_median": med["course"], "hand_tokens_per_s_median": med["hand"],
                "ratio": med["course"] / med["hand"],
-               "ratio_paired_median": harness._median([c / h for c, h in zip(tps["course"], tps["hand"])]),
-               "spread": max(harness._spread(tps["course"]), harness._spread(tps["hand"])),
+               "ratio_paired_median": harness.median([c / h for c, h in zip(tps["course"], tps["hand"])]),
+               "spread": max(harness.spread(tps["course"]), harness.spread(tps["hand"])),
                # on a CPU, tokens per CPU-second of this process: time slices lost to other work do not count
                "ratio_cpu_time": cpu["hand"] / cpu["course"] if device.type == "cpu" and cpu["course"] > 0 else None,
                "course_step_ms": 1e3 * tokens_per_step / med["course"], "first_step_s": first,
@@ -269,9 +270,9 @@ def _gib(n: int | None) -> str:
        mfu_target=(0.45, "PASS needs the course loop's best MFU at the full gpt2 size at least this (where known)"))
 def gpu(opts: dict[str, Any]) -> dict[str, Any]:
     """MiniGPT (Shakespeare and GPT-2-small sizes) in bf16, eager and compiled: tokens/s, MFU, memory, course/hand."""
-    from ddp_course.metrics import environment, peak_flops
+    from ddp_course.metrics import peak_flops
 
-    harness._check_positive(opts, "repeats", "check_steps", "n_batches", "warmup")
+    harness.positive(opts, "repeats", "check_steps", "n_batches", "warmup")
     for key, choices in (("compile", ("auto", *COMPILE)), ("device", ("auto", "cpu", "cuda")),
                          ("scale", ("auto", *SIZES)), ("precision", ("bf16", "fp32"))):
         if opts[key] not in choices:
@@ -355,26 +356,19 @@ def gpu(opts: dict[str, Any]) -> dict[str, Any]:
         print("course/hand per CPU-second of this process (less disturbed by other work): "
               + ", ".join(f"{r['size']} {'compiled' if r['compile'] else 'eager'} {r['ratio_cpu_time']:.3f}" for r in rows))
         print(f"peak memory: {NO_CPU_MEMORY}")
-    if any(r["noisy"] for r in rows):
-        print(f"warning: tokens/s varied by more than {harness.NOISY:.0%} between blocks in some configuration "
-              f"(load average {harness._load()}): other work shared the machine. Rerun on an idle machine (on a "
-              "CPU: or with --threads=1 and more --repeats) before trusting the ratio"
-              + ("; the CPU-second ratio above is the less disturbed figure." if not on_gpu else "."))
-    result = {"bench": "gpu", "options": opts, "device": str(device), "gpu": gpu_name, "scale": scale,
+    harness.noise_warning("gpu", max(r["spread"] for r in rows), "Rerun on an idle machine (on a CPU: or with "
+                          "--threads=1 and more --repeats) before trusting the ratio"
+                          + ("; the CPU-second ratio above is the less disturbed figure." if not on_gpu else "."))
+    return {"bench": "gpu", "options": opts, "device": str(device), "gpu": gpu_name, "scale": scale,
               "precision": opts["precision"], "compile_modes": list(modes), "threads": torch.get_num_threads(),
               "peak_flops": peak, "mfu_reason": mfu_reason or None,
               "peak_memory_reason": None if on_gpu else NO_CPU_MEMORY,
               "float32_matmul_precision": torch.get_float32_matmul_precision(), "rows": rows,
               "same_work_check": checks, "target": opts["target"], "ratio_pass": ratio_pass,
-              "mfu_target": opts["mfu_target"], "mfu_best_gpt2": mfu_best, "mfu_pass": mfu_pass, "pass": passed,
-              "load_average": harness._load(), "environment": environment()}
-    harness._write_result(opts, "gpu", result)
-    return result
+              "mfu_target": opts["mfu_target"], "mfu_best_gpt2": mfu_best, "mfu_pass": mfu_pass, "pass": passed}
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``python -m ddp_course.course.l10_scaling.bench_gpu [--key=value ...]``: the same as ``python -m ddp_course.bench gpu``."""
-    return harness.main(["gpu", *(sys.argv[1:] if argv is None else argv)])
+_, main = harness.entry_points("gpu")
 
 
 if __name__ == "__main__":

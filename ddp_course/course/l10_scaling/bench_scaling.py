@@ -45,98 +45,56 @@ and the figures then include waiting for a core. Prints a table and writes ``<ou
 
 from __future__ import annotations
 
-import json
-import os
-import statistics
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from ddp_course.paths import show
+from ddp_course import bench as harness
+from ddp_course.bench import BenchError as BenchError  # re-exported: callers catch module.BenchError
+from ddp_course.bench import OptionError
 
 NAME = "scaling"
-MODULE = "ddp_course.course.l10_scaling.bench_scaling"
 
-DEFAULTS: dict[str, Any] = {
-    "nprocs": "1,2,4",
-    "micro_batch_size": 8,
-    "global_batch": 8,
-    "steps": 20,
-    "log_interval": 5,
-    "phase_steps": 8,
-    "n_layer": 2,
-    "n_head": 4,
-    "n_embd": 64,
-    "block_size": 64,
-    "threads": 1,
-    "device": "auto",
-    "corpus": "tinyshakespeare",
-    "seed": 1337,
-    "timeout_s": 300.0,
-    "out": "bench_results",
-    "worker": False,
-    "out_dir": "",
-}
-
-HELP = {
-    "nprocs": "process counts to run (comma-separated); each is one torchrun job; 1 must be among them",
-    "micro_batch_size": "weak scaling: sequences per rank per step",
-    "global_batch": "strong scaling: sequences per step over all ranks (divisible by every process count)",
-    "steps": "optimizer steps of each training run",
-    "log_interval": "steps per metrics row; the first interval is warm-up and not counted",
-    "phase_steps": "timed steps of each kind (synchronised, inside no_sync) for the phase breakdown",
-    "n_layer": "transformer blocks", "n_head": "attention heads", "n_embd": "model width",
-    "block_size": "tokens per sequence",
-    "threads": "CPU threads per process",
-    "device": "auto (GPUs when each process of a job gets one, else CPU; one device for every job) | cpu | cuda",
-    "corpus": "tinyshakespeare | offline | a path",
-    "seed": "model init and data order",
-    "timeout_s": "wall-clock limit of each job (all its processes are stopped after it)",
-    "out": "directory for scaling.json and the per-job run folders",
-    "worker": "internal: run as one rank of a job (set by the bench itself)",
-    "out_dir": "internal: where a job writes its runs and worker.json",
+OPTIONS: dict[str, tuple[Any, str]] = {
+    "nprocs": ("1,2,4", "process counts to run (comma-separated); each is one torchrun job; 1 must be among them"),
+    "micro_batch_size": (8, "weak scaling: sequences per rank per step"),
+    "global_batch": (8, "strong scaling: sequences per step over all ranks (divisible by every process count)"),
+    "steps": (20, "optimizer steps of each training run"),
+    "log_interval": (5, "steps per metrics row; the first interval is warm-up and not counted"),
+    "phase_steps": (8, "timed steps of each kind (synchronised, inside no_sync) for the phase breakdown"),
+    "n_layer": (2, "transformer blocks"), "n_head": (4, "attention heads"), "n_embd": (64, "model width"),
+    "block_size": (64, "tokens per sequence"),
+    "threads": (1, "CPU threads per process"),
+    "device": ("auto", "auto (GPUs when each process of a job gets one, else CPU; one device for every job) | cpu | cuda"),
+    "corpus": ("tinyshakespeare", "tinyshakespeare | offline | a path"),
+    "seed": (1337, "model init and data order"),
+    "timeout_s": (300.0, "wall-clock limit of each job (all its processes are stopped after it)"),
 }
 
 PHASES = ("data", "forward", "backward_compute", "comm_wait", "optimizer")
 
 
-class BenchError(RuntimeError):
-    """The benchmark cannot run or its result is not valid. The message says why."""
+def _check(opts: dict[str, Any]) -> None:
+    """Refuse options that cannot give a study; ``nprocs`` becomes a sorted list."""
+    opts["nprocs"] = sorted(set(harness.int_list(opts, "nprocs", "1,2,4")))
+    if not opts["nprocs"] or opts["nprocs"][0] != 1:
+        raise OptionError(f"--nprocs must include 1 (the baseline every speedup divides by); got {opts['nprocs']}.")
+    harness.positive(opts, "micro_batch_size", "global_batch", "steps", "log_interval", "phase_steps", "threads")
+    if opts["steps"] <= opts["log_interval"]:
+        raise OptionError(f"--steps={opts['steps']} must exceed --log_interval={opts['log_interval']}: the first "
+                          "interval is warm-up and is left out of tokens/s.")
+    bad = [n for n in opts["nprocs"] if opts["global_batch"] % n]
+    if bad:
+        raise OptionError(f"--global_batch={opts['global_batch']} does not split evenly over {bad} process(es); "
+                          f"use a multiple of {max(opts['nprocs'])}.")
+    if opts["n_embd"] % opts["n_head"]:
+        raise OptionError(f"--n_embd={opts['n_embd']} must be divisible by --n_head={opts['n_head']}.")
 
 
 def parse_options(argv: list[str]) -> dict[str, Any]:
-    from ddp_course.course.l06_grad_accumulation.no_sync_lab import parse_args
-
-    try:
-        opts = parse_args(argv, DEFAULTS, HELP, prog=f"python -m {MODULE}", doc=__doc__)
-    except SystemExit as exc:
-        if str(exc.code).startswith("error: "):
-            raise BenchError(str(exc.code)[len("error: "):]) from None
-        raise
-    try:
-        opts["nprocs"] = sorted({int(v) for v in str(opts["nprocs"]).split(",") if v.strip()})
-    except ValueError:
-        raise BenchError(f"--nprocs={opts['nprocs']!r} must be comma-separated integers, e.g. --nprocs=1,2,4.") from None
-    if not opts["nprocs"] or opts["nprocs"][0] != 1:
-        raise BenchError(f"--nprocs must include 1 (the baseline every speedup divides by); got {opts['nprocs']}.")
-    for key in ("micro_batch_size", "global_batch", "steps", "log_interval", "phase_steps", "threads"):
-        if opts[key] < 1:
-            raise BenchError(f"--{key} must be at least 1 (got {opts[key]}).")
-    if opts["steps"] <= opts["log_interval"]:
-        raise BenchError(f"--steps={opts['steps']} must exceed --log_interval={opts['log_interval']}: the first "
-                         "interval is warm-up and is left out of tokens/s.")
-    bad = [n for n in opts["nprocs"] if opts["global_batch"] % n]
-    if bad:
-        raise BenchError(f"--global_batch={opts['global_batch']} does not split evenly over {bad} process(es); "
-                         f"use a multiple of {max(opts['nprocs'])}.")
-    if opts["n_embd"] % opts["n_head"]:
-        raise BenchError(f"--n_embd={opts['n_embd']} must be divisible by --n_head={opts['n_head']}.")
-    return opts
-
-
-def _median(xs: list[float]) -> float:
-    return statistics.median(xs) if xs else float("nan")
+    """The options of ``--key=value`` arguments, checked; raises :class:`ddp_course.bench.OptionError`."""
+    return harness.parse_options(NAME, argv)
 
 
 def train_config(opts: dict[str, Any], world_size: int, kind: str, out_dir: str):
@@ -213,7 +171,7 @@ def time_phases(cfg, info, n_steps: int) -> dict[str, Any]:
             rows[synchronised].append(step(synchronised))
 
     def med(mode: bool, key: str) -> float:
-        return _median([r[key] for r in rows[mode]])
+        return harness.median([r[key] for r in rows[mode]])
 
     local = {
         "data": med(True, "data"),
@@ -278,31 +236,29 @@ def worker(opts: dict[str, Any]) -> None:
         if info.is_main:
             res = {"world_size": info.world_size, "backend": info.backend, "device": str(info.device),
                    "threads": torch.get_num_threads(), "runs": runs, "phases": phases}
-            (out_dir / "worker.json").write_text(json.dumps(res, indent=1), encoding="utf-8")
+            from ddp_course.metrics import write_json
+
+            write_json(out_dir / "worker.json", res)
 
 
 # --------------------------------------------------------------------------------------------------
 # the bench: one job per process count, then the table
 
+@harness.bench(NAME, check=_check, worker=worker, usage_exit=1, **OPTIONS)
 def run_bench(opts: dict[str, Any]) -> dict[str, Any]:
     """Run the bench with parsed options; returns the result written to ``<out>/scaling.json``."""
-    from ddp_course.dist import DeviceError, choose_study_device, cpu_count
-    from ddp_course.launch import LaunchError, run
-    from ddp_course.metrics import environment
+    from ddp_course.dist import cpu_count
 
     base = Path(opts["out"]).resolve()
     cores = cpu_count()
-    try:  # one kind of device for every job of the study (and the process counts that fit on it)
-        device, nprocs, reason = choose_study_device(opts["device"], opts["nprocs"])
-    except DeviceError as exc:
-        raise BenchError(str(exc)) from None
+    device, nprocs, reason = harness.study_device(opts["device"], opts["nprocs"])  # one device for every job
     opts = {**opts, "device": device, "nprocs": nprocs}
     print(f"[scaling] {reason}", flush=True)
     print(f"[scaling] {', '.join(map(str, opts['nprocs']))} process(es) x {opts['threads']} thread(s), {cores} core(s) "
           f"visible; MiniGPT {opts['n_layer']} layers x {opts['n_embd']} wide, {opts['block_size']} tokens per sequence; "
           f"weak: {opts['micro_batch_size']} sequences per rank, strong: {opts['global_batch']} per step in all; "
           f"{opts['steps']} steps per run", flush=True)
-    worker_opts = {k: opts[k] for k in DEFAULTS if k not in ("nprocs", "out", "worker", "out_dir")}
+    worker_opts = {**{k: opts[k] for k in OPTIONS}, "nprocs": ",".join(map(str, opts["nprocs"]))}  # checked again
     jobs = []
     for n in opts["nprocs"]:
         oversubscribed = n * opts["threads"] > cores
@@ -311,15 +267,10 @@ def run_bench(opts: dict[str, Any]) -> dict[str, Any]:
                   "the CPU: they take turns on the cores, and the figures include that waiting.", flush=True)
         out_dir = base / f"{NAME}_n{n}"
         (out_dir / "worker.json").unlink(missing_ok=True)
-        try:
-            r = run(MODULE, nproc=n, out_dir=out_dir, timeout=opts["timeout_s"], progress=False, echo="none",
-                    use_torchrun=n > 1, worker=True, **worker_opts)  # one process: no agent, no process group
-        except LaunchError as exc:
-            raise BenchError(f"the job with {n} process(es) failed: {exc}") from None
-        path = out_dir / "worker.json"
-        if not path.is_file():
-            raise BenchError(f"the job with {n} process(es) finished but wrote no {path}. Its output:\n{r.output[-2000:]}")
-        res = json.loads(path.read_text(encoding="utf-8"))
+        r = harness.launch(harness.module_benches()[NAME], n, what=f"the job with {n} process(es)",
+                           timeout=opts["timeout_s"], out_dir=out_dir, use_torchrun=n > 1,  # one process: no agent
+                           worker=True, **worker_opts)
+        res = harness.job_result(r)
         jobs.append({"nproc": n, "oversubscribed": oversubscribed, "job_wall_s": r.elapsed_s, **res})
         print(f"[scaling] {n} process(es): weak {res['runs']['weak']['tokens_per_s']:,.0f} tok/s, "
               f"strong {res['runs']['strong']['tokens_per_s']:,.0f} tok/s ({r.elapsed_s:.1f}s job)", flush=True)
@@ -355,33 +306,13 @@ def run_bench(opts: dict[str, Any]) -> dict[str, Any]:
               f"{p['allreduce_full_gradient'] * 1e3:>12.2f}")
     print(f"\nstrong scaling: final losses {', '.join(f'{v:.6f}' for v in strong_losses)} "
           f"(largest difference {strong_gap:.1e}: the same global batch trains the same model)")
-    result = {"bench": NAME, "options": opts, "device_reason": reason, "cpu_count": cores,
-              "weak": table["weak"], "strong": table["strong"],
-              "phases": phases, "jobs": jobs, "strong_final_loss_gap": strong_gap,
-              "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None, "environment": environment()}
-    base.mkdir(parents=True, exist_ok=True)
-    (base / f"{NAME}.json").write_text(json.dumps(result, indent=1), encoding="utf-8")
-    print(f"\nwrote {show(base / f'{NAME}.json')}")
-    return result
+    return {"bench": NAME, "options": opts, "device_reason": reason, "cpu_count": cores,
+            "weak": table["weak"], "strong": table["strong"],
+            "phases": phases, "jobs": jobs, "strong_final_loss_gap": strong_gap}
 
 
-def bench(**overrides: Any) -> dict[str, Any]:
-    """From Python: ``bench(nprocs="1,2", steps=20)``; returns the result dict."""
-    return run_bench(parse_options([f"--{k}={v}" for k, v in overrides.items()]))
-
-
-def main(argv: list[str]) -> int:
-    try:
-        opts = parse_options(argv)
-        if opts["worker"]:
-            worker(opts)
-            return 0
-        run_bench(opts)
-    except BenchError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    return 0
+bench, main = harness.entry_points(NAME)
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main())
