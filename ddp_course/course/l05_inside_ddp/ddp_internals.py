@@ -44,18 +44,17 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from ddp_course.cli import FlagError, command, parse_flags
 from ddp_course.course.l05_inside_ddp.ddp_common import (
     BucketRecorder,
     CollectiveCounter,
-    FlagError,
     float_list,
-    parse_flags,
     record_grad_ready,
     time_steps,
-    write_json,
 )
 from ddp_course.data import prepare, train_batches
 from ddp_course.dist import DistInfo, log, setup
+from ddp_course.metrics import write_json
 from ddp_course.model import GPTConfig, MiniGPT
 from ddp_course.parallel import ddp as ddp_strategy
 from ddp_course.paths import show
@@ -521,7 +520,9 @@ PART_FUNCS = {"buckets": part_buckets, "gradhook": part_gradhook, "buffers": par
               "static": part_static, "hooks": part_hooks, "join": part_join}
 
 
-def main(argv: list[str]) -> dict[str, Any]:
+@record  # on failure, torchrun's error file carries this rank's traceback
+@command
+def main(argv: list[str]) -> int:
     opts = parse_flags(argv, DEFAULTS, PROG)
     parts = [p.strip() for p in opts["parts"].split(",") if p.strip()]
     bad = [p for p in parts if p not in PARTS]
@@ -549,17 +550,8 @@ def main(argv: list[str]) -> dict[str, Any]:
         if info.is_main:
             write_json(Path(opts["out_dir"]) / "internals.json", result)
             log(f"[ddp_internals] wrote {show(Path(opts['out_dir']) / 'internals.json')} (seconds per part: {result['timings_s']})")
-    return result
-
-
-@record
-def cli() -> None:
-    try:
-        main(sys.argv[1:])
-    except FlagError as exc:
-        print(f"error: {exc}", file=sys.stderr, flush=True)
-        raise SystemExit(2) from None
+    return 0
 
 
 if __name__ == "__main__":
-    cli()
+    sys.exit(main())
