@@ -32,6 +32,7 @@ import contextlib
 import re
 import sys
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from types import SimpleNamespace
@@ -272,39 +273,33 @@ def part_buffers(opts, info: DistInfo, data) -> dict[str, Any]:
     return out
 
 
+def _branchy_steps(opts, info: DistInfo, steps: int, use_branch: Callable[[int], bool]) -> dict[str, Any]:
+    """``steps`` DDP steps of the branchy model, without find_unused_parameters, the branch used
+    where ``use_branch(step)``: how many finished, and the error that ended them (None if none did)."""
+    ddp = DDP(_branchy(opts["seed"]), process_group=_fragile_group(opts))
+    t0 = time.perf_counter()
+    steps_done = 0
+    try:
+        for step in range(steps):
+            ddp(_rank_batch(opts["seed"], info.rank, step), use_branch=use_branch(step)).pow(2).mean().backward()
+            steps_done += 1
+        return {"error": None, "steps_done": steps_done}
+    except RuntimeError as exc:
+        return {"error": _error(exc, t0), "steps_done": steps_done}
+    finally:
+        del ddp
+
+
 def part_unused(opts, info: DistInfo, data) -> dict[str, Any]:
     out: dict[str, Any] = {}
     seed = opts["seed"]
 
     # 1. the branch is skipped on odd steps, on every rank, without find_unused_parameters
-    group = _fragile_group(opts)
-    ddp = DDP(_branchy(seed), process_group=group)
-    t0 = time.perf_counter()
-    steps_done = 0
-    try:
-        for step in range(3):
-            ddp(_rank_batch(seed, info.rank, step), use_branch=step % 2 == 0).pow(2).mean().backward()
-            steps_done += 1
-        out["skipped_everywhere"] = {"error": None, "steps_done": steps_done}
-    except RuntimeError as exc:
-        out["skipped_everywhere"] = {"error": _error(exc, t0), "steps_done": steps_done}
-    del ddp
+    out["skipped_everywhere"] = _branchy_steps(opts, info, 3, lambda step: step % 2 == 0)
     dist.barrier()
 
     # 2. the branch is used on rank 0 only: rank 0 all-reduces a bucket that rank 1 never offers
-    group = _fragile_group(opts)
-    ddp = DDP(_branchy(seed), process_group=group)
-    t0 = time.perf_counter()
-    steps_done = 0
-    try:
-        for step in range(2):
-            ddp(_rank_batch(seed, info.rank, step), use_branch=info.rank == 0).pow(2).mean().backward()
-            steps_done += 1
-        result = {"error": None, "steps_done": steps_done}
-    except RuntimeError as exc:
-        result = {"error": _error(exc, t0), "steps_done": steps_done}
-    del ddp
-    out["skipped_on_rank1"] = _gather(result)
+    out["skipped_on_rank1"] = _gather(_branchy_steps(opts, info, 2, lambda step: info.rank == 0))
     dist.barrier()
 
     # 3. the fix: find_unused_parameters=True, both patterns; gradients against the exact mean
