@@ -1,8 +1,9 @@
-"""Self-checks for the exercises: ``python -m ddp_course check NN PATH`` and the notebook checks.
+"""The exercises' grading harness: ``python -m ddp_course check NN PATH``.
 
 Script graders live in their lesson's folder, ``ddp_course/course/lNN_<topic>/grader.py`` (each with
-``grade(path, **kwargs) -> Verdict``); ``results(output)`` reads the ``RESULT {json}`` lines that
-exercise scripts print.
+``grade(path, **kwargs) -> Verdict``); ``run_exercise`` runs a script and collects the ``RESULT
+{json}`` lines it prints (``results(output)`` reads them). A notebook's own checks live in its lesson
+folder too (e.g. ``ddp_course.course.l01_minigpt.grader.attention``).
 
 A grader runs the learner's code for real (scripts with torchrun) and compares it against the
 course's own reference; it says what is wrong, not only that something is.
@@ -13,9 +14,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
-import torch.nn.functional as F
 
 
 @dataclass
@@ -93,30 +91,34 @@ def results(output: str) -> list[dict]:
     return found
 
 
-def attention(fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]) -> Verdict:
-    """Notebook 01: a hand-written causal attention must equal F.scaled_dot_product_attention."""
-    g = torch.Generator().manual_seed(0)
-    for shape in ((2, 4, 8, 16), (1, 2, 5, 8)):
-        q, k, v = (torch.randn(*shape, generator=g) for _ in range(3))
-        want = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        try:
-            got = fn(q, k, v)
-        except NotImplementedError:
-            return not_complete(f"{getattr(fn, '__name__', 'your attention')}()")
-        except Exception as exc:  # noqa: BLE001 -- a learner's bug is reported, not raised
-            return Verdict(False, f"for inputs of shape {tuple(shape)} your attention raised {type(exc).__name__}: {exc}")
-        if not isinstance(got, torch.Tensor) or got.shape != want.shape:
-            return Verdict(False, f"for inputs of shape {tuple(shape)} expected an output of shape "
-                                  f"{tuple(want.shape)}, got {getattr(got, 'shape', type(got).__name__)}.")
-        # SDPA and the explicit formula round differently in float32: ~1e-6 apart; 1e-5 is well above that
-        if not torch.allclose(got, want, atol=1e-5, rtol=1e-5):
-            k_future = fn(q, k.clone().index_fill_(2, torch.tensor([shape[2] - 1]), 0.0), v)
-            leak = not torch.allclose(k_future[:, :, :-1], got[:, :, :-1], atol=1e-6)
-            hint = (" Position t attends to later positions: mask the scores above the diagonal with -inf."
-                    if leak else " Check the 1/sqrt(head size) scaling and the softmax dimension (the last).")
-            err = (got - want).abs().max().item()
-            return Verdict(False, f"output differs from scaled_dot_product_attention by up to {err:.3g}.{hint}")
-    return Verdict(True, "your attention equals F.scaled_dot_product_attention (causal) on two shapes.")
+def last_lines(output: str, n: int = 15) -> str:
+    """`` Last lines:`` and the last ``n`` lines of a job's output: what a failing verdict shows."""
+    return " Last lines:\n" + "\n".join(output.splitlines()[-n:])
+
+
+def run_exercise(path: str | Path, nproc: int, what: str, timeout: float, *,
+                 hint: Callable[[str], str] = lambda output: "", tail: Callable[[str], str] = last_lines,
+                 **run_kwargs) -> list[dict] | Verdict:
+    """Run exercise script ``path`` on ``nproc`` processes: its ``RESULT`` lines, one per rank.
+
+    Or, when there are not that many, the failing verdict that says why: a TODO left (``what`` names
+    it), a job stopped at ``timeout``, or a rank that did not finish (``hint(output)`` may add a
+    likely cause, ``tail(output)`` shows the end of the output). The graders share this first step.
+    """
+    from ddp_course.launch import LaunchTimeout, run
+
+    try:
+        r = run(str(path), nproc=nproc, echo="none", progress=False, timeout=timeout, check=False, **run_kwargs)
+    except LaunchTimeout as exc:
+        return Verdict(False, f"the script did not finish within {timeout:.0f}s and was stopped."
+                              f"{hint(exc.run.output)}{tail(exc.run.output)}")
+    if "NotImplementedError" in r.output:
+        return not_complete(what, path)
+    found = results(r.output)
+    if len(found) != nproc:
+        return Verdict(False, f"with {nproc} processes the script did not finish on every rank "
+                              f"(exit code {r.returncode}).{hint(r.output)}{tail(r.output)}")
+    return found
 
 
 def graders() -> dict[str, str]:

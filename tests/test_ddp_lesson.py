@@ -205,8 +205,11 @@ def test_recipe_on_two_gpus_equals_one_gpu(tmp_path):
 
 
 def test_recipe_refuses_unknown_options_and_variants():
-    from ddp_course.cli import FlagError
-    from ddp_course.course.l04_ddp.ddp_recipe import parse
+    from ddp_course.cli import FlagError, parse_flags
+    from ddp_course.course.l04_ddp.ddp_recipe import DEFAULTS, PROG, check_options
+
+    def parse(argv):
+        return check_options(parse_flags(argv, DEFAULTS, PROG))
 
     with pytest.raises(FlagError, match="Did you mean --steps"):
         parse(["--step=3"])

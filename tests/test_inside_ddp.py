@@ -26,6 +26,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from conftest import torchrun
 
+from ddp_course.cli import FlagError, parse_flags
 from ddp_course.course.l05_inside_ddp import ddp_common
 from ddp_course.dist import DistInfo, clean_exit
 from ddp_course.model import GPTConfig, MiniGPT
@@ -60,10 +61,10 @@ def test_ring_bytes_and_flags():
     assert ddp_common.ring_bytes_sent("allreduce", 1000, 2) == 1000  # 2 (n-1)/n = 1 at n = 2
     assert ddp_common.ring_bytes_sent("allreduce", 1000, 4) == 1500
     assert ddp_common.ring_bytes_sent("allgather_base", 1000, 4) == 3000
-    with pytest.raises(ddp_common.FlagError, match="Did you mean --steps"):
-        ddp_common.parse_flags(["--stepz=3"], {"steps": 1}, prog="x")
-    with pytest.raises(ddp_common.FlagError, match="expects a int"):
-        ddp_common.parse_flags(["--steps=many"], {"steps": 1}, prog="x")
+    with pytest.raises(FlagError, match="Did you mean --steps"):
+        parse_flags(["--stepz=3"], {"steps": 1}, prog="x")
+    with pytest.raises(FlagError, match="expects a int"):
+        parse_flags(["--steps=many"], {"steps": 1}, prog="x")
 
 
 # --- communication hooks under a real 2-rank process group --------------------------------------------

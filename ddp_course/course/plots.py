@@ -7,6 +7,21 @@ from collections.abc import Mapping
 import matplotlib.pyplot as plt
 
 
+def new_axes(ax, figsize: tuple[float, float]):
+    """``(None, ax)`` for the axes a caller passed in, else ``(fig, ax)``: a new figure of ``figsize``
+    with one axes. Every figure function takes an optional ``ax``, to draw into a grid of panels."""
+    if ax is not None:
+        return None, ax
+    return plt.subplots(figsize=figsize)
+
+
+def finish(fig, ax):
+    """The figure to return: ``fig`` laid out tightly when this function made it, else ``ax``'s own."""
+    if fig is not None:
+        fig.tight_layout()
+    return fig or ax.figure
+
+
 def _label_runs(runs) -> dict:
     if isinstance(runs, Mapping):
         return dict(runs)
@@ -16,9 +31,7 @@ def _label_runs(runs) -> dict:
 def loss_curves(runs, *, val: bool = True, title: str = "Loss", ax=None, logy: bool = False):
     """Training loss (solid) and validation loss (dots) against the optimizer step, one colour per run."""
     runs = _label_runs(runs)
-    fig = None
-    if ax is None:
-        fig, ax = plt.subplots(figsize=(7, 4))
+    fig, ax = new_axes(ax, (7, 4))
     for i, (label, run) in enumerate(runs.items()):
         colour = f"C{i}"
         steps, loss = run.series("loss")
@@ -35,16 +48,12 @@ def loss_curves(runs, *, val: bool = True, title: str = "Loss", ax=None, logy: b
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    if fig is not None:
-        fig.tight_layout()
-    return fig or ax.figure
+    return finish(fig, ax)
 
 
 def bars(values: Mapping[str, float], *, ylabel: str, title: str = "", ax=None, fmt: str = "{:,.0f}"):
     """One bar per entry, its value written on top."""
-    fig = None
-    if ax is None:
-        fig, ax = plt.subplots(figsize=(6, 3.5))
+    fig, ax = new_axes(ax, (6, 3.5))
     names, vals = list(values), list(values.values())
     rects = ax.bar(names, vals, color=[f"C{i}" for i in range(len(vals))])
     for rect, v in zip(rects, vals):
@@ -54,9 +63,7 @@ def bars(values: Mapping[str, float], *, ylabel: str, title: str = "", ax=None, 
     ax.set_title(title)
     ax.grid(axis="y", alpha=0.3)
     ax.margins(y=0.15)
-    if fig is not None:
-        fig.tight_layout()
-    return fig or ax.figure
+    return finish(fig, ax)
 
 
 def throughput(runs, *, title: str = "Training throughput", ax=None):

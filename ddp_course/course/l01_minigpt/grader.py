@@ -1,25 +1,22 @@
-"""Grader of exercise 01 (``lessons/exercises/01_global_val_loss.py``)."""
+"""Grader of exercise 01 (``lessons/exercises/01_global_val_loss.py``) and notebook 01's attention check."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
-from ddp_course.check import Verdict, not_complete, results
+import torch
+import torch.nn.functional as F
+
+from ddp_course.check import Verdict, not_complete, run_exercise
 
 
 def grade(path: str | Path, timeout: float = 180) -> Verdict:
     """global_mean must give every rank the mean over all windows (2 and 3 ranks)."""
-    from ddp_course.launch import run
-
     for nproc in (2, 3):
-        r = run(str(path), nproc=nproc, echo="none", progress=False, timeout=timeout, check=False)
-        if "NotImplementedError" in r.output:
-            return not_complete("global_mean()", path)
-        found = results(r.output)
-        if len(found) != nproc:
-            tail = "\n".join(r.output.splitlines()[-15:])
-            return Verdict(False, f"with {nproc} processes the script did not finish on every rank "
-                                  f"(exit code {r.returncode}). Last lines:\n{tail}")
+        found = run_exercise(path, nproc, "global_mean()", timeout)
+        if isinstance(found, Verdict):
+            return found
         bad = [x for x in found if not x["ok"]]
         if bad:
             x = bad[0]
@@ -27,3 +24,29 @@ def grade(path: str | Path, timeout: float = 180) -> Verdict:
                                   f"all windows is {x['reference']:.6f}. Are you averaging per-rank means? The ranks "
                                   "hold different numbers of windows: all-reduce the sums and the counts.")
     return Verdict(True, "every rank gets the mean over all windows, with 2 and with 3 processes.")
+
+
+def attention(fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]) -> Verdict:
+    """Notebook 01: a hand-written causal attention must equal F.scaled_dot_product_attention."""
+    g = torch.Generator().manual_seed(0)
+    for shape in ((2, 4, 8, 16), (1, 2, 5, 8)):
+        q, k, v = (torch.randn(*shape, generator=g) for _ in range(3))
+        want = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        try:
+            got = fn(q, k, v)
+        except NotImplementedError:
+            return not_complete(f"{getattr(fn, '__name__', 'your attention')}()")
+        except Exception as exc:  # noqa: BLE001 -- a learner's bug is reported, not raised
+            return Verdict(False, f"for inputs of shape {tuple(shape)} your attention raised {type(exc).__name__}: {exc}")
+        if not isinstance(got, torch.Tensor) or got.shape != want.shape:
+            return Verdict(False, f"for inputs of shape {tuple(shape)} expected an output of shape "
+                                  f"{tuple(want.shape)}, got {getattr(got, 'shape', type(got).__name__)}.")
+        # SDPA and the explicit formula round differently in float32: ~1e-6 apart; 1e-5 is well above that
+        if not torch.allclose(got, want, atol=1e-5, rtol=1e-5):
+            k_future = fn(q, k.clone().index_fill_(2, torch.tensor([shape[2] - 1]), 0.0), v)
+            leak = not torch.allclose(k_future[:, :, :-1], got[:, :, :-1], atol=1e-6)
+            hint = (" Position t attends to later positions: mask the scores above the diagonal with -inf."
+                    if leak else " Check the 1/sqrt(head size) scaling and the softmax dimension (the last).")
+            err = (got - want).abs().max().item()
+            return Verdict(False, f"output differs from scaled_dot_product_attention by up to {err:.3g}.{hint}")
+    return Verdict(True, "your attention equals F.scaled_dot_product_attention (causal) on two shapes.")

@@ -23,13 +23,14 @@ from __future__ import annotations
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from ddp_course.cli import FlagError, parse_flags
+from ddp_course.cli import FlagError, command, parse_flags
 
 DEFAULTS: dict[str, Any] = {"out_dir": "runs/collectives", "device": "auto", "timeout_s": 60.0,
                             "barrier_delay_s": 0.3}
@@ -77,12 +78,18 @@ def record(name: str, title: str, call: str, before: torch.Tensor | None, after:
 
 def run_collectives(rank: int, world: int, device: torch.device, delay_s: float) -> list[dict[str, Any]]:
     """Issue every collective once, in the same order on every rank; return one record each."""
-    R = reduce_inputs(world)  # every rank's inputs, known to all ranks (same seed)
-    C = chunk_inputs(world)
-    out: list[dict[str, Any]] = []
-
     def mine(t: torch.Tensor) -> torch.Tensor:
         return t.clone().to(device)
+
+    return [*all_reduces(rank, world, mine), *rooted(rank, world, mine), *gathers(rank, world, mine),
+            *scatters(rank, world, device, mine), *subgroup(rank, world, mine),
+            *barrier_timing(rank, world, device, delay_s)]
+
+
+def all_reduces(rank: int, world: int, mine: Callable[[torch.Tensor], torch.Tensor]) -> list[dict[str, Any]]:
+    """all_reduce with SUM, AVG (or SUM / world_size where the backend has no AVG) and MAX."""
+    R = reduce_inputs(world)  # every rank's inputs, known to all ranks (same seed)
+    out: list[dict[str, Any]] = []
 
     # --- all_reduce: every rank ends with the reduction of all ranks' tensors -----------------
     x = mine(R[rank])
@@ -114,6 +121,13 @@ def run_collectives(rank: int, world: int, device: torch.device, delay_s: float)
     dist.all_reduce(x, op=dist.ReduceOp.MAX)
     out.append(record("all_reduce_max", "all_reduce(MAX)", "dist.all_reduce(x, op=dist.ReduceOp.MAX)",
                       mine(R[rank]), x, R.max(0).values))
+    return out
+
+
+def rooted(rank: int, world: int, mine: Callable[[torch.Tensor], torch.Tensor]) -> list[dict[str, Any]]:
+    """The collectives with one root: broadcast from rank 0, reduce to rank 0."""
+    R = reduce_inputs(world)
+    out: list[dict[str, Any]] = []
 
     # --- broadcast: rank 0's tensor overwrites everyone's ---------------------------------------
     x = mine(R[rank])
@@ -127,6 +141,13 @@ def run_collectives(rank: int, world: int, device: torch.device, delay_s: float)
                       mine(R[rank]), x, R.sum(0) if rank == 0 else None, after_defined=rank == 0,
                       note="" if rank == 0 else "not the destination: the API leaves this buffer unspecified "
                                                 "(it may hold partial sums); never read it"))
+    return out
+
+
+def gathers(rank: int, world: int, mine: Callable[[torch.Tensor], torch.Tensor]) -> list[dict[str, Any]]:
+    """all_gather, and gather to rank 0: every rank's piece, in rank order."""
+    C = chunk_inputs(world)
+    out: list[dict[str, Any]] = []
 
     # --- all_gather: every rank ends with every rank's piece, in rank order ---------------------
     piece = mine(C[rank])
@@ -143,6 +164,12 @@ def run_collectives(rank: int, world: int, device: torch.device, delay_s: float)
                       piece, torch.cat(dst_list) if dst_list is not None else None,
                       C.reshape(-1) if rank == 0 else None, after_defined=rank == 0, chunk=K,
                       note="" if rank == 0 else "not the destination: receives nothing"))
+    return out
+
+
+def scatters(rank: int, world: int, device: torch.device, mine: Callable[[torch.Tensor], torch.Tensor]) -> list[dict[str, Any]]:
+    """scatter from rank 0, and reduce_scatter (with the fallbacks a backend may need)."""
+    out: list[dict[str, Any]] = []
 
     # --- scatter: the source holds world_size pieces; rank r receives piece r -------------------
     S = torch.arange(1, world * K + 1).float() * 100  # what rank 0 deals out: 100, 200, ...
@@ -183,6 +210,13 @@ def run_collectives(rank: int, world: int, device: torch.device, delay_s: float)
                     "the same result, moving about twice the data a real reduce_scatter moves")
     out.append(record("reduce_scatter", "reduce_scatter(SUM)", path, x, recv,
                       RS.sum(0)[rank * K:(rank + 1) * K], chunk=K, note=note, native=native))
+    return out
+
+
+def subgroup(rank: int, world: int, mine: Callable[[torch.Tensor], torch.Tensor]) -> list[dict[str, Any]]:
+    """An all_reduce inside a sub-group (even ranks, odd ranks)."""
+    R = reduce_inputs(world)
+    out: list[dict[str, Any]] = []
 
     # --- process groups: new_group is called by EVERY rank, even for groups it is not in --------
     evens = dist.new_group(list(range(0, world, 2)))
@@ -194,6 +228,12 @@ def run_collectives(rank: int, world: int, device: torch.device, delay_s: float)
                       "dist.all_reduce(x, group=evens if rank % 2 == 0 else odds)", mine(R[rank]), x,
                       R[members].sum(0), group_ranks=members,
                       note=f"sub-group {members}: ranks {members} only"))
+    return out
+
+
+def barrier_timing(rank: int, world: int, device: torch.device, delay_s: float) -> list[dict[str, Any]]:
+    """A barrier after rank r waited r * delay_s seconds: when each rank arrived and left."""
+    out: list[dict[str, Any]] = []
 
     # --- barrier: nobody leaves before the last one arrives --------------------------------------
     dist.barrier()  # line everyone up, so the delays below are the only difference
@@ -212,19 +252,15 @@ def run_collectives(rank: int, world: int, device: torch.device, delay_s: float)
     return out
 
 
+@command
 def main(argv: list[str]) -> int:
     from ddp_course.dist import log, setup
     from ddp_course.metrics import write_json
 
-    try:
-        opts = parse_flags(argv, DEFAULTS, PROG)
-    except FlagError as exc:
-        print(f"error: {exc}", flush=True)
-        return 2
+    opts = parse_flags(argv, DEFAULTS, PROG)
     if "RANK" not in os.environ:
-        print(f"error: {PROG} shows collectives between processes: launch it with torchrun, e.g. "
-              "torchrun --standalone --nproc_per_node=4 -m ddp_course.course.l02_collectives.collectives", flush=True)
-        return 2
+        raise FlagError(f"{PROG} shows collectives between processes: launch it with torchrun, e.g. "
+                        "torchrun --standalone --nproc_per_node=4 -m ddp_course.course.l02_collectives.collectives")
     initialized_before = dist.is_initialized()
     with setup(device=opts["device"], timeout_s=opts["timeout_s"]) as info:
         group = {"rank": dist.get_rank(), "world_size": dist.get_world_size(), "backend": dist.get_backend(),
@@ -247,4 +283,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main())

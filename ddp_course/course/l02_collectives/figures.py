@@ -15,6 +15,8 @@ import matplotlib.pyplot as plt
 from matplotlib.patches import Rectangle
 from matplotlib.ticker import FuncFormatter
 
+from ddp_course.course import plots
+
 MIXED = "#b9a7d6"  # a value reduced over several ranks
 MIXED_2 = "#d9c59a"  # ... over a second group of ranks (sub-groups)
 EMPTY = "#f2f2f2"
@@ -112,9 +114,7 @@ def barrier_timeline(per_rank: Sequence[dict], ax=None):
     """Each rank's 'work' (its delay) then its wait inside dist.barrier(); all leave together."""
     recs = _find(per_rank, "barrier")
     t0 = min(r["arrive"] - r["delay_s"] for r in recs)
-    fig = None
-    if ax is None:
-        fig, ax = plt.subplots(figsize=(7, 0.45 * len(recs) + 1.2))
+    fig, ax = plots.new_axes(ax, (7, 0.45 * len(recs) + 1.2))
     n = len(recs)
     for k, r in enumerate(recs):
         y = n - 1 - k
@@ -130,9 +130,7 @@ def barrier_timeline(per_rank: Sequence[dict], ax=None):
     ax.set_title("dist.barrier(): nobody leaves before the last rank arrives", fontsize=10)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     ax.grid(axis="x", alpha=0.3)
-    if fig is not None:
-        fig.tight_layout()
-    return fig or ax.figure
+    return plots.finish(fig, ax)
 
 
 def ring_schedule(n: int = 4):

@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from ddp_course.check import Verdict, not_complete, results
+from ddp_course.check import Verdict, run_exercise
 
 WORLD_SIZES = (2, 4)
 
@@ -67,17 +67,12 @@ def _wrong_values(n: int, rows: list[dict], size: dict) -> str:
 def grade(path: str | Path, timeout: float = 120) -> Verdict:
     """The ring all-reduce must equal dist.all_reduce on every size, with 2 and 4 processes, and send
     2 (n - 1) chunks per rank."""
-    from ddp_course.launch import run
-
     traffic = []
     for n in WORLD_SIZES:
-        r = run(str(path), nproc=n, echo="none", progress=False, timeout=timeout, check=False)
-        if "NotImplementedError" in r.output:
-            return not_complete("ring_all_reduce()", path)
-        rows = results(r.output)
-        if len(rows) != n:
-            return Verdict(False, f"with {n} processes the script did not finish on every rank (exit code "
-                                  f"{r.returncode}).{_crash_hint(r.output)}\n{_tail(r.output)}")
+        rows = run_exercise(path, n, "ring_all_reduce()", timeout, hint=_crash_hint,
+                            tail=lambda output: "\n" + _tail(output))
+        if isinstance(rows, Verdict):
+            return rows
         rows.sort(key=lambda row: row["rank"])
         sizes = rows[0]["results"]
         for k in sorted(range(len(sizes)), key=lambda k: -sizes[k]["size"]):  # the largest shows patterns best

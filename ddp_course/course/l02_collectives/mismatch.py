@@ -36,7 +36,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ddp_course.cli import FlagError, parse_flags
+from ddp_course.cli import FlagError, command, parse_flags
 
 CPU_BY_DESIGN = ("gloo ends a mismatched collective with an error every rank can catch and record; under NCCL "
                  "the watchdog aborts the process, which may die before it writes what it saw")
@@ -90,24 +90,20 @@ def stuck(case: str, rank: int, device: torch.device, trace: Trace) -> None:
             trace("all_reduce(loss)", dist.all_reduce, loss)
 
 
+@command
 def main(argv: list[str]) -> int:
     from ddp_course.dist import log, setup
     from ddp_course.metrics import write_json
 
-    try:
-        opts = parse_flags(argv, DEFAULTS, PROG)
-        if opts["case"] not in CASES:
-            raise FlagError(f"{PROG}: --case must be one of {', '.join(CASES)} (got {opts['case']!r}).")
-        if opts["timeout_s"] <= 0:
-            raise FlagError(f"{PROG}: --timeout_s must be positive (got {opts['timeout_s']}); it bounds how long "
-                            "the stuck collective waits, e.g. --timeout_s=10.")
-    except FlagError as exc:
-        print(f"error: {exc}", flush=True)
-        return 2
+    opts = parse_flags(argv, DEFAULTS, PROG)
+    if opts["case"] not in CASES:
+        raise FlagError(f"{PROG}: --case must be one of {', '.join(CASES)} (got {opts['case']!r}).")
+    if opts["timeout_s"] <= 0:
+        raise FlagError(f"{PROG}: --timeout_s must be positive (got {opts['timeout_s']}); it bounds how long "
+                        "the stuck collective waits, e.g. --timeout_s=10.")
     if int(os.environ.get("WORLD_SIZE", 1)) < 2:
-        print(f"error: {PROG} needs at least two processes to disagree: launch it with "
-              "torchrun --standalone --nproc_per_node=2 -m ddp_course.course.l02_collectives.mismatch", flush=True)
-        return 2
+        raise FlagError(f"{PROG} needs at least two processes to disagree: launch it with "
+                        "torchrun --standalone --nproc_per_node=2 -m ddp_course.course.l02_collectives.mismatch")
 
     out_dir = Path(opts["out_dir"])
     because = CPU_BY_DESIGN if opts["device"] == "cpu" else ""
@@ -139,4 +135,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main())

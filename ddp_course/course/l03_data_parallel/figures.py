@@ -6,6 +6,8 @@ from collections.abc import Mapping, Sequence
 
 import matplotlib.pyplot as plt
 
+from ddp_course.course import plots
+
 STAGE_COLOURS = {"scatter": "C7", "forward": "C0", "gather": "C1", "loss": "C3", "backward": "C9",
                  "reduce": "C4", "update": "C2", "broadcast": "C5"}
 
@@ -17,9 +19,7 @@ def step_timeline(report, *, title: str = "one DP step, stage by stage", ax=None
     (autograd walks every replica's graph); every other stage on replica 0's row, where it runs.
     """
     n = len(report.memory)
-    fig = None
-    if ax is None:
-        fig, ax = plt.subplots(figsize=(8, 0.6 * n + 1.6))
+    fig, ax = plots.new_axes(ax, (8, 0.6 * n + 1.6))
     seen = set()
     for stage, replica, start, end in report.spans:
         rows = range(n) if stage == "backward" else [replica]
@@ -33,17 +33,13 @@ def step_timeline(report, *, title: str = "one DP step, stage by stage", ax=None
     ax.set_title(title)
     ax.grid(axis="x", alpha=0.3)
     ax.legend(fontsize=8, ncol=4, loc="upper center", bbox_to_anchor=(0.5, -0.3 if n < 4 else -0.2))
-    if fig is not None:
-        fig.tight_layout()
-    return fig or ax.figure
+    return plots.finish(fig, ax)
 
 
 def bytes_by_replica(memory: Sequence[Mapping[str, int]], *, title: str = "what each replica holds in one step",
                      unit: float = 2**20, unit_name: str = "MiB", fmt: str = "{:.2f}", ax=None):
     """Stacked bars: for each replica, the bytes of each kind of tensor it holds (from a StepReport)."""
-    fig = None
-    if ax is None:
-        fig, ax = plt.subplots(figsize=(6.5, 3.6))
+    fig, ax = plots.new_axes(ax, (6.5, 3.6))
     kinds = list(memory[0])
     bottoms = [0.0] * len(memory)
     names = [f"replica {k}" for k in range(len(memory))]
@@ -58,9 +54,7 @@ def bytes_by_replica(memory: Sequence[Mapping[str, int]], *, title: str = "what 
     ax.grid(axis="y", alpha=0.3)
     ax.margins(y=0.15)
     ax.legend(fontsize=8)
-    if fig is not None:
-        fig.tight_layout()
-    return fig or ax.figure
+    return plots.finish(fig, ax)
 
 
 def dp_vs_ddp(result: Mapping, *, axes=None):
@@ -87,6 +81,4 @@ def dp_vs_ddp(result: Mapping, *, axes=None):
     axes[1].set_title(f"throughput on {n} GPUs")
     axes[1].grid(axis="y", alpha=0.3)
     axes[1].margins(y=0.15)
-    if fig is not None:
-        fig.tight_layout()
-    return fig or axes[0].figure
+    return plots.finish(fig, axes[0])

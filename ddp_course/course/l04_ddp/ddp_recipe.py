@@ -41,7 +41,6 @@ state dict of the unwrapped model). ``--help`` lists the options.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -57,7 +56,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.nn.utils import parameters_to_vector
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from ddp_course.cli import FlagError, parse_flags
+from ddp_course.cli import FlagError, command
+from ddp_course.course.options import parse_flags_or_help
 from ddp_course.data import TokenWindows, prepare, stream_offsets
 from ddp_course.dist import clean_exit, cpu_count
 from ddp_course.metrics import write_json
@@ -287,11 +287,8 @@ def train_variant(name: str, opts: dict[str, Any], ctx: dict[str, Any], train_ds
         dist.barrier()
 
 
-def parse(argv: list[str]) -> dict[str, Any]:
-    if any(a in ("-h", "--help") for a in argv):
-        print(__doc__ + "\noptions (--key=value):\n" + "\n".join(f"  --{k}={v}" for k, v in DEFAULTS.items()))
-        raise SystemExit(0)
-    opts = parse_flags(argv, DEFAULTS, PROG)
+def check_options(opts: dict[str, Any]) -> dict[str, Any]:
+    """``opts`` with ``variants`` cleaned up; a ``FlagError`` for an unknown variant or device."""
     names = [v.strip() for v in opts["variants"].split(",") if v.strip()]
     unknown = [v for v in names if v not in VARIANTS]
     if unknown or not names:
@@ -299,18 +296,13 @@ def parse(argv: list[str]) -> dict[str, Any]:
                         f"choose from {', '.join(VARIANTS)}, e.g. --variants=recipe,no_sampler.")
     if opts["device"] not in ("auto", "cpu", "cuda"):
         raise FlagError(f"{PROG}: --device must be auto, cpu or cuda (got {opts['device']!r}).")
-    opts["variants"] = ",".join(names)
-    return opts
+    return {**opts, "variants": ",".join(names)}
 
 
 @record  # on failure, torchrun's error file carries this rank's traceback
+@command  # a bad option (FlagError): one line "error: ..." and exit code 2
 def main(argv: list[str]) -> None:
-    try:
-        opts = parse(argv)
-    except FlagError as exc:
-        if int(os.environ.get("RANK", 0)) == 0:
-            print(f"error: {exc}", file=sys.stderr, flush=True)
-        raise SystemExit(2) from None
+    opts = check_options(parse_flags_or_help(argv, DEFAULTS, PROG, __doc__))
 
     # 1. Who am I? torchrun sets these for every process it starts; without torchrun: one process.
     distributed = "RANK" in os.environ and "WORLD_SIZE" in os.environ
@@ -323,11 +315,9 @@ def main(argv: list[str]) -> None:
     #    NCCL for CUDA tensors (one GPU per process), gloo for CPU tensors.
     enough_gpus = torch.cuda.is_available() and torch.cuda.device_count() >= local_world_size
     if opts["device"] == "cuda" and not enough_gpus:
-        if rank == 0:
-            print(f"error: --device=cuda needs one GPU per process: {local_world_size} process(es) on this node, "
-                  f"{torch.cuda.device_count() if torch.cuda.is_available() else 0} CUDA GPU(s) visible. "
-                  "Use --device=auto or --device=cpu.", file=sys.stderr, flush=True)
-        raise SystemExit(2)
+        raise FlagError(f"--device=cuda needs one GPU per process: {local_world_size} process(es) on this node, "
+                        f"{torch.cuda.device_count() if torch.cuda.is_available() else 0} CUDA GPU(s) visible. "
+                        "Use --device=auto or --device=cpu.")
     use_cuda = opts["device"] == "cuda" or (opts["device"] == "auto" and enough_gpus)
     if use_cuda:
         device = torch.device("cuda", local_rank)
@@ -358,12 +348,11 @@ def main(argv: list[str]) -> None:
         for name in opts["variants"].split(","):
             train_variant(name, opts, ctx, train_ds, val_ds, vocab)
         if rank == 0:
-            Path(opts["out_dir"]).mkdir(parents=True, exist_ok=True)
-            (Path(opts["out_dir"]) / "done.json").write_text(json.dumps({"variants": opts["variants"].split(",")}))
+            write_json(Path(opts["out_dir"]) / "done.json", {"variants": opts["variants"].split(",")})
     finally:
         if distributed and dist.is_initialized():
             dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    sys.exit(main())

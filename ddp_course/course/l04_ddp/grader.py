@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from ddp_course.check import Verdict, not_complete, results
+from ddp_course.check import Verdict, last_lines, run_exercise
 
 NPROC = 2
 
@@ -85,21 +85,15 @@ def _data_problem(found: list[dict], steps_per_epoch: int) -> str | None:
 
 def grade(path: str | Path, timeout: float = 180) -> Verdict:
     """Run the script on 2 processes and compare its final parameters with one process."""
-    from ddp_course.launch import run
-
     path = Path(path)
     with tempfile.TemporaryDirectory(prefix="g04_") as tmp:
         tmp = Path(tmp)
-        r = run(str(path), nproc=NPROC, out_dir=tmp / "ddp", echo="none", progress=False, timeout=timeout,
-                check=False)
-        if "NotImplementedError" in r.output:
-            return not_complete("a TODO of the script (setup, make_loader, wrap, start_epoch, "
-                                "mean_over_ranks, save or teardown)", path)
-        found = sorted(results(r.output), key=lambda x: x["rank"])
-        if len(found) != NPROC:
-            tail = "\n".join(r.output.splitlines()[-20:])
-            return Verdict(False, f"with {NPROC} processes the script did not finish on every rank (exit code "
-                                  f"{r.returncode}, {len(found)} RESULT line(s)). Last lines:\n{tail}")
+        found = run_exercise(path, NPROC, "a TODO of the script (setup, make_loader, wrap, start_epoch, "
+                             "mean_over_ranks, save or teardown)", timeout, tail=lambda output: last_lines(output, 20),
+                             out_dir=tmp / "ddp")
+        if isinstance(found, Verdict):
+            return found
+        found.sort(key=lambda x: x["rank"])
         if any(x["world_size"] != NPROC for x in found):
             return Verdict(False, f"setup() returned world_size {found[0]['world_size']} under torchrun with {NPROC} "
                                   "processes: read WORLD_SIZE (and RANK, LOCAL_RANK) from the environment and "

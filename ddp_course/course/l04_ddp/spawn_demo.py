@@ -20,7 +20,6 @@ printed in the first line): the demo is about starting processes, not about a de
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import sys
@@ -35,7 +34,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ddp_course.cli import FlagError, parse_flags
+from ddp_course.cli import command, parse_flags
+from ddp_course.metrics import write_json
 from ddp_course.paths import show
 
 PROG = "python -m ddp_course.course.l04_ddp.spawn_demo"
@@ -60,8 +60,7 @@ def worker(rank: int, world_size: int, port: int, out_dir: str, timeout_s: float
         dist.all_reduce(t, op=dist.ReduceOp.SUM)  # 0 + 1 + ... + (W-1) on every rank
         report = {"rank": rank, "world_size": dist.get_world_size(), "pid": os.getpid(), "all_reduce_sum": t.item(),
                   "env": {k: os.environ.get(k) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")}}
-        Path(out_dir).mkdir(parents=True, exist_ok=True)
-        (Path(out_dir) / f"spawn_rank{rank}.json").write_text(json.dumps(report), encoding="utf-8")
+        write_json(Path(out_dir) / f"spawn_rank{rank}.json", report)
         print(f"[rank {rank}] pid {os.getpid()}: all_reduce of the ranks = {t.item():.0f}", flush=True)
     finally:
         dist.destroy_process_group()
@@ -111,12 +110,9 @@ def try_spawn(fn: Callable, args: tuple = (), nprocs: int = 2, timeout: float = 
                         elapsed_s=time.monotonic() - start)
 
 
+@command
 def main(argv: list[str]) -> int:
-    try:
-        opts = parse_flags(argv, DEFAULTS, PROG)
-    except FlagError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    opts = parse_flags(argv, DEFAULTS, PROG)
     port = free_port()
     print(f"mp.spawn: {opts['nproc']} processes, rendezvous tcp://127.0.0.1:{port}; CPU with gloo by design: "
           f"{CPU_BY_DESIGN}", flush=True)
@@ -128,4 +124,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main())

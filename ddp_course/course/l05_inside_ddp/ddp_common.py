@@ -1,6 +1,6 @@
 """Instruments shared by the lesson-05 labs (``ddp_internals``, ``ddp_profile``) and ``benchmarks/buckets``.
 
-- :func:`parse_flags`: strict ``--key=value`` options (unknown key or wrong type -> a clear error).
+- :func:`float_list`: a ``--key=25,0.1,0.05`` option read as positive numbers (else a ``FlagError``).
 - :class:`BucketRecorder`: a DDP communication hook that records every bucket DDP hands it (index,
   parameter names, size) before passing it on to the real hook -- so it counts all-reduces per step.
 - :class:`CollectiveCounter`: sees every collective (``c10d`` operator) issued inside its ``with``
@@ -23,7 +23,10 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from ddp_course.cli import FlagError, parse_flags  # noqa: F401  (re-exported for the labs)
+from ddp_course.cli import (
+    FlagError,
+    parse_flags,  # noqa: F401  (only for bench_buckets until it parses through the bench harness)
+)
 
 
 def float_list(text: str, name: str) -> list[float]:
@@ -35,13 +38,6 @@ def float_list(text: str, name: str) -> list[float]:
     if not values or min(values) <= 0:
         raise FlagError(f"--{name}={text!r} must list positive numbers, e.g. --{name}=25,0.1,0.05.")
     return values
-
-
-def write_json(path: Path, obj: Any) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=1), encoding="utf-8")
-    tmp.replace(path)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -32,6 +32,7 @@ import contextlib
 import re
 import sys
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from types import SimpleNamespace
@@ -44,18 +45,17 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from ddp_course.cli import FlagError, command, parse_flags
 from ddp_course.course.l05_inside_ddp.ddp_common import (
     BucketRecorder,
     CollectiveCounter,
-    FlagError,
     float_list,
-    parse_flags,
     record_grad_ready,
     time_steps,
-    write_json,
 )
 from ddp_course.data import prepare, train_batches
 from ddp_course.dist import DistInfo, log, setup
+from ddp_course.metrics import write_json
 from ddp_course.model import GPTConfig, MiniGPT
 from ddp_course.parallel import ddp as ddp_strategy
 from ddp_course.paths import show
@@ -273,39 +273,33 @@ def part_buffers(opts, info: DistInfo, data) -> dict[str, Any]:
     return out
 
 
+def _branchy_steps(opts, info: DistInfo, steps: int, use_branch: Callable[[int], bool]) -> dict[str, Any]:
+    """``steps`` DDP steps of the branchy model, without find_unused_parameters, the branch used
+    where ``use_branch(step)``: how many finished, and the error that ended them (None if none did)."""
+    ddp = DDP(_branchy(opts["seed"]), process_group=_fragile_group(opts))
+    t0 = time.perf_counter()
+    steps_done = 0
+    try:
+        for step in range(steps):
+            ddp(_rank_batch(opts["seed"], info.rank, step), use_branch=use_branch(step)).pow(2).mean().backward()
+            steps_done += 1
+        return {"error": None, "steps_done": steps_done}
+    except RuntimeError as exc:
+        return {"error": _error(exc, t0), "steps_done": steps_done}
+    finally:
+        del ddp
+
+
 def part_unused(opts, info: DistInfo, data) -> dict[str, Any]:
     out: dict[str, Any] = {}
     seed = opts["seed"]
 
     # 1. the branch is skipped on odd steps, on every rank, without find_unused_parameters
-    group = _fragile_group(opts)
-    ddp = DDP(_branchy(seed), process_group=group)
-    t0 = time.perf_counter()
-    steps_done = 0
-    try:
-        for step in range(3):
-            ddp(_rank_batch(seed, info.rank, step), use_branch=step % 2 == 0).pow(2).mean().backward()
-            steps_done += 1
-        out["skipped_everywhere"] = {"error": None, "steps_done": steps_done}
-    except RuntimeError as exc:
-        out["skipped_everywhere"] = {"error": _error(exc, t0), "steps_done": steps_done}
-    del ddp
+    out["skipped_everywhere"] = _branchy_steps(opts, info, 3, lambda step: step % 2 == 0)
     dist.barrier()
 
     # 2. the branch is used on rank 0 only: rank 0 all-reduces a bucket that rank 1 never offers
-    group = _fragile_group(opts)
-    ddp = DDP(_branchy(seed), process_group=group)
-    t0 = time.perf_counter()
-    steps_done = 0
-    try:
-        for step in range(2):
-            ddp(_rank_batch(seed, info.rank, step), use_branch=info.rank == 0).pow(2).mean().backward()
-            steps_done += 1
-        result = {"error": None, "steps_done": steps_done}
-    except RuntimeError as exc:
-        result = {"error": _error(exc, t0), "steps_done": steps_done}
-    del ddp
-    out["skipped_on_rank1"] = _gather(result)
+    out["skipped_on_rank1"] = _gather(_branchy_steps(opts, info, 2, lambda step: info.rank == 0))
     dist.barrier()
 
     # 3. the fix: find_unused_parameters=True, both patterns; gradients against the exact mean
@@ -521,7 +515,9 @@ PART_FUNCS = {"buckets": part_buckets, "gradhook": part_gradhook, "buffers": par
               "static": part_static, "hooks": part_hooks, "join": part_join}
 
 
-def main(argv: list[str]) -> dict[str, Any]:
+@record  # on failure, torchrun's error file carries this rank's traceback
+@command
+def main(argv: list[str]) -> int:
     opts = parse_flags(argv, DEFAULTS, PROG)
     parts = [p.strip() for p in opts["parts"].split(",") if p.strip()]
     bad = [p for p in parts if p not in PARTS]
@@ -549,17 +545,8 @@ def main(argv: list[str]) -> dict[str, Any]:
         if info.is_main:
             write_json(Path(opts["out_dir"]) / "internals.json", result)
             log(f"[ddp_internals] wrote {show(Path(opts['out_dir']) / 'internals.json')} (seconds per part: {result['timings_s']})")
-    return result
-
-
-@record
-def cli() -> None:
-    try:
-        main(sys.argv[1:])
-    except FlagError as exc:
-        print(f"error: {exc}", file=sys.stderr, flush=True)
-        raise SystemExit(2) from None
+    return 0
 
 
 if __name__ == "__main__":
-    cli()
+    sys.exit(main())

@@ -41,17 +41,17 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.profiler import ProfilerActivity, profile, record_function
 
+from ddp_course.cli import FlagError, command, parse_flags
 from ddp_course.course.l05_inside_ddp.ddp_common import (
     CollectiveCounter,
-    FlagError,
     float_list,
     overlap_stats,
-    parse_flags,
     read_trace,
     time_steps,
-    write_json,
 )
-from ddp_course.dist import DeviceError, log, setup
+from ddp_course.course.options import require_device
+from ddp_course.dist import log, setup
+from ddp_course.metrics import write_json
 from ddp_course.model import GPTConfig, MiniGPT
 from ddp_course.paths import show
 
@@ -190,7 +190,9 @@ def sweep_mode(opts: dict[str, Any], rank: int, device: torch.device) -> dict[st
     return {"rows": rows, "model_bytes": sum(p.numel() * 4 for p in trainers[caps[0]].model.parameters())}
 
 
-def main(argv: list[str]) -> dict[str, Any]:
+@record  # on failure, torchrun's error file carries this rank's traceback
+@command
+def main(argv: list[str]) -> int:
     opts = parse_flags(argv, DEFAULTS, PROG)
     if opts["mode"] not in ("profile", "sweep"):
         raise FlagError(f"{PROG}: --mode={opts['mode']!r} must be profile or sweep.")
@@ -204,6 +206,7 @@ def main(argv: list[str]) -> dict[str, Any]:
     if opts["bucket_cap_mb"] <= 0:
         raise FlagError(f"{PROG}: --bucket_cap_mb must be positive (got {opts['bucket_cap_mb']}).")
     float_list(opts["bucket_caps"], "bucket_caps")
+    require_device(opts["device"])
     with setup(device=opts["device"], timeout_s=120.0, threads=opts["threads"]) as info:
         if info.world_size < 2:
             raise FlagError(f"{PROG} measures communication between ranks: launch it with torchrun --nproc_per_node=2.")
@@ -218,17 +221,8 @@ def main(argv: list[str]) -> dict[str, Any]:
             path = Path(opts["out_dir"]) / f"{opts['mode']}.json"
             write_json(path, result)
             log(f"[ddp_profile] wrote {show(path)}")
-    return result
-
-
-@record
-def cli() -> None:
-    try:
-        main(sys.argv[1:])
-    except (FlagError, DeviceError) as exc:
-        print(f"error: {exc}", file=sys.stderr, flush=True)
-        raise SystemExit(2) from None
+    return 0
 
 
 if __name__ == "__main__":
-    cli()
+    sys.exit(main())

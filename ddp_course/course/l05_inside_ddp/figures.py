@@ -8,6 +8,8 @@ from typing import Any
 import matplotlib.pyplot as plt
 from matplotlib.patches import Patch
 
+from ddp_course.course import plots
+
 PHASE_COLOURS = {"forward": "#9ecae1", "backward": "#fdd0a2", "allreduce by hand": "#fc9272", "optimizer": "#c7e9c0"}
 COMM_COLOUR = "#d62728"
 COMPUTE_COLOUR = "#e6550d"
@@ -26,9 +28,7 @@ def buckets(layouts: Mapping[str, Sequence[Mapping[str, Any]]], numel: Mapping[s
     parameter names); bar width is the number of gradient elements, colour the part of the model a
     parameter belongs to, so the order in which the model's parts reach the network shows.
     """
-    fig = None
-    if ax is None:
-        fig, ax = plt.subplots(figsize=(10, 1.2 + 0.7 * len(layouts)))
+    fig, ax = plots.new_axes(ax, (10, 1.2 + 0.7 * len(layouts)))
     order: list[str] = []
     for name in numel:
         if _part(name) not in order:
@@ -51,9 +51,7 @@ def buckets(layouts: Mapping[str, Sequence[Mapping[str, Any]]], numel: Mapping[s
     if title:
         ax.set_title(title, pad=22)
     ax.grid(axis="x", alpha=0.3)
-    if fig is not None:
-        fig.tight_layout()
-    return fig or ax.figure
+    return plots.finish(fig, ax)
 
 
 def timeline(traces: Mapping[str, Mapping[str, Any]], *, step: int = -1, title: str = "", axes=None):
@@ -93,18 +91,14 @@ def timeline(traces: Mapping[str, Mapping[str, Any]], *, step: int = -1, title: 
     axes[0].legend(handles=handles, fontsize=7, ncol=6, loc="lower left", bbox_to_anchor=(0, 1.12))
     if title:
         axes[0].figure.suptitle(title, y=1.0)
-    if fig is not None:
-        fig.tight_layout()
-    return fig or axes[0].figure
+    return plots.finish(fig, axes[0])
 
 
 def sweep(rows: Sequence[Mapping[str, Any]], *, model_bytes: int | None = None, title: str = "Step time vs bucket size",
           ax=None):
     """Median step time (with the min-max range of the rounds) against ``bucket_cap_mb`` (log scale),
     the number of all-reduces per step written at each point."""
-    fig = None
-    if ax is None:
-        fig, ax = plt.subplots(figsize=(7, 3.8))
+    fig, ax = plots.new_axes(ax, (7, 3.8))
     caps = [r["bucket_cap_mb"] for r in rows]
     med = [r["median_ms"] for r in rows]
     lo = [r["median_ms"] - r["min_ms"] for r in rows]
@@ -123,17 +117,13 @@ def sweep(rows: Sequence[Mapping[str, Any]], *, model_bytes: int | None = None, 
     ax.set_ylabel("ms per step (median, min-max)")
     ax.set_title(title)
     ax.grid(alpha=0.3, which="both")
-    if fig is not None:
-        fig.tight_layout()
-    return fig or ax.figure
+    return plots.finish(fig, ax)
 
 
 def hook_losses(losses: Mapping[str, Sequence[float]], *, title: str = "Training loss with each communication hook",
                 ax=None):
     """Loss per step of runs that differ only in their communication hook."""
-    fig = None
-    if ax is None:
-        fig, ax = plt.subplots(figsize=(7, 3.6))
+    fig, ax = plots.new_axes(ax, (7, 3.6))
     for i, (name, ys) in enumerate(losses.items()):
         ax.plot(range(1, len(ys) + 1), ys, label=name, lw=1.5, ls=["-", "--", "-.", ":"][i % 4])
     ax.set_xlabel("optimizer step")
@@ -141,6 +131,4 @@ def hook_losses(losses: Mapping[str, Sequence[float]], *, title: str = "Training
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    if fig is not None:
-        fig.tight_layout()
-    return fig or ax.figure
+    return plots.finish(fig, ax)

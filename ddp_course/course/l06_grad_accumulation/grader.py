@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ddp_course.check import Verdict, not_complete, results
+from ddp_course.check import Verdict, run_exercise
 
 NPROC = 2
 # what the exercise's harness runs: (name, micro-batch indices, use_no_sync), and its data
@@ -141,14 +141,7 @@ def diagnose(found: list[dict]) -> Verdict:
 
 def grade(path: str | Path, timeout: float = 180) -> Verdict:
     """Run the script on 2 processes and grade what it measured."""
-    from ddp_course.launch import run
-
-    r = run(str(path), nproc=NPROC, echo="none", progress=False, timeout=timeout, check=False)
-    if "NotImplementedError" in r.output:
-        return not_complete("accumulate()", path)
-    found = results(r.output)
-    if len(found) != NPROC:
-        tail = "\n".join(r.output.splitlines()[-15:])
-        return Verdict(False, f"with {NPROC} processes the script did not finish on every rank "
-                              f"(exit code {r.returncode}). Last lines:\n{tail}")
+    found = run_exercise(path, NPROC, "accumulate()", timeout)
+    if isinstance(found, Verdict):
+        return found
     return diagnose(found)

@@ -28,8 +28,6 @@ The exercise of lesson 06 (``exercises/06_no_sync.py``) and its grader reuse ``A
 from __future__ import annotations
 
 import contextlib
-import json
-import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -40,10 +38,14 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from ddp_course import parallel
-from ddp_course.dist import DeviceError, choose_device, log, setup
+from ddp_course.cli import FlagError, command
+from ddp_course.course.options import parse_flags_or_help, require_device
+from ddp_course.dist import log, setup
+from ddp_course.metrics import write_json
 from ddp_course.model import GPTConfig, MiniGPT
 from ddp_course.paths import show
 
+PROG = "torchrun --standalone --nproc_per_node=2 -m ddp_course.course.l06_grad_accumulation.no_sync_lab"
 VOCAB = 65  # the size of the course's character vocabulary; the tokens here are random ids
 
 # Relative tolerance on |g - g_ref| / |g_ref|. Accumulating K micro-batch means on W ranks and
@@ -240,67 +242,81 @@ def accumulate(ddp, batches: Sequence[tuple[torch.Tensor, torch.Tensor]], varian
 # --------------------------------------------------------------------------------------------------
 
 def parse_args(argv: list[str], defaults: dict[str, Any] = DEFAULTS, helps: dict[str, str] = HELP,
-               prog: str = "torchrun --standalone --nproc_per_node=2 -m ddp_course.course.l06_grad_accumulation.no_sync_lab",
-               doc: str | None = None) -> dict[str, Any]:
-    """``--key=value`` over ``defaults``, each converted to its default's type; unknown keys refused."""
-    values = dict(defaults)
-    for arg in argv:
-        if arg in ("-h", "--help"):
-            text = (__doc__ if doc is None else doc).strip()
-            lines = [f"usage: {prog} [--key=value ...]", "", text, "", "options:"]
-            lines += [f"  {'--' + k + '=' + str(v):<28} {helps.get(k, '')}" for k, v in defaults.items()]
-            print("\n".join(lines))
-            raise SystemExit(0)
-        if not arg.startswith("--") or "=" not in arg:
-            raise SystemExit(f"error: unexpected argument {arg!r}: options are written --key=value "
-                             f"(--help lists them).")
-        key, value = arg[2:].split("=", 1)
-        key = key.replace("-", "_")
-        if key not in defaults:
-            raise SystemExit(f"error: unknown option --{key}. Valid options: "
-                             f"{', '.join('--' + k for k in defaults)}.")
-        default = defaults[key]
-        try:
-            if isinstance(default, bool):
-                if value.lower() not in ("1", "0", "true", "false", "yes", "no", "on", "off"):
-                    raise ValueError(value)
-                values[key] = value.lower() in ("1", "true", "yes", "on")
-            else:
-                values[key] = type(default)(value)
-        except ValueError:
-            raise SystemExit(f"error: --{key} expects {type(default).__name__} (got {value!r}).") from None
-    return values
+               prog: str = PROG, doc: str | None = None) -> dict[str, Any]:
+    """``--key=value`` over ``defaults`` (``--help`` lists them); a bad option is ``SystemExit("error: ...")``.
+
+    Kept for the benchmarks that still call it; the lab itself parses in :func:`main`.
+    """
+    try:
+        return parse_flags_or_help(argv, defaults, prog, __doc__ if doc is None else doc, helps)
+    except FlagError as exc:
+        raise SystemExit(f"error: {exc}") from None
 
 
-def _variants(spec: str) -> list[str]:
-    if spec == "all":
-        return list(VARIANTS)
-    names = [v.strip() for v in spec.split(",") if v.strip()]
+def check_options(opts: dict[str, Any]) -> list[str]:
+    """The variants to run (``--variants``); a ``FlagError`` for an unknown one or a size below 1."""
+    spec = opts["variants"]
+    names = list(VARIANTS) if spec == "all" else [v.strip() for v in spec.split(",") if v.strip()]
     unknown = [v for v in names if v not in VARIANTS]
     if unknown or not names:
-        raise SystemExit(f"error: --variants={spec!r}: unknown variant(s) {', '.join(unknown) or '(none given)'}; "
-                         f"choose from {', '.join(VARIANTS)} or all.")
+        raise FlagError(f"--variants={spec!r}: unknown variant(s) {', '.join(unknown) or '(none given)'}; "
+                        f"choose from {', '.join(VARIANTS)} or all.")
+    for key in ("k", "n_micro", "micro_batch_size", "block_size"):
+        if opts[key] < 1:
+            raise FlagError(f"--{key} must be at least 1 (got {opts[key]}).")
     return names
 
 
-def main(argv: list[str]) -> dict[str, Any]:
-    opts = parse_args(argv)
-    variants = _variants(opts["variants"])
-    for key in ("k", "n_micro", "micro_batch_size", "block_size"):
-        if opts[key] < 1:
-            raise SystemExit(f"error: --{key} must be at least 1 (got {opts[key]}).")
+def count_buckets(ddp, counter: AllReduceCounter, batch: tuple[torch.Tensor, torch.Tensor]) -> int:
+    """Bucket all-reduces of one plain synced backward, after DDP's rebuild.
+
+    Two plain synced steps: DDP rebuilds its buckets after the first backward (in the order the
+    gradients arrived); the second shows how many buckets one backward all-reduces.
+    """
+    for _ in range(2):
+        counter.reset()
+        _, loss = ddp(*batch)
+        loss.backward()
+        ddp.zero_grad(set_to_none=True)
+    return counter.calls
+
+
+def measure_step(ddp, counter: AllReduceCounter, batches, ref: dict[str, torch.Tensor], variant: str, k: int,
+                 n_buckets: int, world_size: int, rank: int) -> dict[str, Any]:
+    """One optimizer step of ``variant``: what all-reduced, and the gradient against one big batch."""
+    counter.reset()
+    accumulate(ddp, batches, variant, k)
+    calls, synced = counter.calls, counter.synced_micro_steps
+    mine = compare(ddp.module, ref)
+    spread = replica_spread(ddp.module)
+    per_rank = [None] * world_size
+    dist.all_gather_object(per_rank, {"rank": rank, "bucket_all_reduces": calls,
+                                      "synced_micro_steps": synced, **mine})
+    ddp.zero_grad(set_to_none=True)  # what optimizer.zero_grad() does after the step
+    rel_err = max(r["rel_err"] for r in per_rank)
+    return {"micro_batches": len(batches),
+            "synced_micro_steps": per_rank[0]["synced_micro_steps"],
+            "bucket_all_reduces": per_rank[0]["bucket_all_reduces"],
+            "all_reduce_rounds": per_rank[0]["bucket_all_reduces"] / n_buckets,
+            "rel_err": rel_err,
+            "norm_ratio": [r["norm_ratio"] for r in per_rank],
+            "replica_max_diff": spread,
+            "matches_big_batch": rel_err <= GRAD_RTOL,
+            "ranks": per_rank}
+
+
+@command
+def main(argv: list[str]) -> int:
+    opts = parse_flags_or_help(argv, DEFAULTS, PROG, __doc__, HELP)
+    variants = check_options(opts)
     shape = {k: opts[k] for k in ("block_size", "n_layer", "n_head", "n_embd")}
     data = {"micro_batch_size": opts["micro_batch_size"], "block_size": opts["block_size"], "seed": opts["seed"]}
     steps = chunks(opts["n_micro"], opts["k"])
 
-    try:  # refuse a device this machine cannot give before any process group is made
-        choose_device(opts["device"], int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
-    except DeviceError as exc:
-        raise SystemExit(f"error: {exc}") from None
+    require_device(opts["device"])  # refuse a device this machine cannot give before any process group is made
     with setup(device=opts["device"], timeout_s=opts["timeout_s"]) as info:
         if not info.is_distributed:
-            raise SystemExit("error: the lab needs a process group: launch it with "
-                             "`torchrun --standalone --nproc_per_node=2 -m ddp_course.course.l06_grad_accumulation.no_sync_lab`.")
+            raise FlagError(f"the lab needs a process group: launch it with `{PROG}`.")
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         device = info.device
@@ -312,15 +328,9 @@ def main(argv: list[str]) -> dict[str, Any]:
         def my_batch(index: int) -> tuple[torch.Tensor, torch.Tensor]:
             return tuple(t.to(device) for t in micro_batch(index, info.rank, **data))
 
-        # Two plain synced steps first: DDP rebuilds its buckets after the first backward (in the
-        # order the gradients arrived); the second shows how many buckets one backward all-reduces.
-        for _ in range(2):
-            counter.reset()
-            _, loss = ddp(*my_batch(0))
-            loss.backward()
-            ddp.zero_grad(set_to_none=True)
-        n_buckets = counter.calls
-        log(f"[no_sync_lab] {info.world_size} ranks, {info.device_reason}; MiniGPT {sum(p.numel() for p in model.parameters()):,} "
+        n_buckets = count_buckets(ddp, counter, my_batch(0))
+        n_params = sum(p.numel() for p in model.parameters())
+        log(f"[no_sync_lab] {info.world_size} ranks, {info.device_reason}; MiniGPT {n_params:,} "
             f"parameters in {n_buckets} gradient bucket(s); {opts['n_micro']} micro-batches of "
             f"{opts['micro_batch_size']} per rank, K = {opts['k']}: optimizer steps of "
             f"{', '.join(str(len(c)) for c in steps)} micro-batches")
@@ -329,29 +339,9 @@ def main(argv: list[str]) -> dict[str, Any]:
         results: dict[str, Any] = {}
         for variant in variants:
             ddp.require_backward_grad_sync = True  # a clean start for every variant
-            rows = []
-            for idx, ref in zip(steps, refs):
-                batches = [my_batch(i) for i in idx]
-                counter.reset()
-                accumulate(ddp, batches, variant, opts["k"])
-                calls, synced = counter.calls, counter.synced_micro_steps
-                mine = compare(model, ref)
-                spread = replica_spread(model)
-                per_rank = [None] * info.world_size
-                dist.all_gather_object(per_rank, {"rank": info.rank, "bucket_all_reduces": calls,
-                                                  "synced_micro_steps": synced, **mine})
-                ddp.zero_grad(set_to_none=True)  # what optimizer.zero_grad() does after the step
-                rows.append({
-                    "micro_batches": len(idx), "indices": idx,
-                    "synced_micro_steps": per_rank[0]["synced_micro_steps"],
-                    "bucket_all_reduces": per_rank[0]["bucket_all_reduces"],
-                    "all_reduce_rounds": per_rank[0]["bucket_all_reduces"] / n_buckets,
-                    "rel_err": max(r["rel_err"] for r in per_rank),
-                    "norm_ratio": [r["norm_ratio"] for r in per_rank],
-                    "replica_max_diff": spread,
-                    "matches_big_batch": max(r["rel_err"] for r in per_rank) <= GRAD_RTOL,
-                    "ranks": per_rank,
-                })
+            rows = [{**measure_step(ddp, counter, [my_batch(i) for i in idx], ref, variant, opts["k"], n_buckets,
+                                    info.world_size, info.rank), "indices": idx}
+                    for idx, ref in zip(steps, refs)]
             results[variant] = {"description": VARIANTS[variant], "steps": rows}
             log(f"[no_sync_lab] {variant:<19} all-reducing micro-steps per optimizer step "
                 f"{[r['synced_micro_steps'] for r in rows]}, gradient vs one big batch: max rel. error "
@@ -362,15 +352,14 @@ def main(argv: list[str]) -> dict[str, Any]:
         out = {"world_size": info.world_size, "backend": info.backend, "device": device.type,
                "k": opts["k"], "n_micro": opts["n_micro"],
                "steps": steps, "n_buckets": n_buckets, "grad_rtol": GRAD_RTOL, "options": opts,
-               "n_params": sum(p.numel() for p in model.parameters()), "variants": results}
+               "n_params": n_params, "variants": results}
         if info.is_main:
-            out_dir = Path(opts["out_dir"])
-            out_dir.mkdir(parents=True, exist_ok=True)
-            (out_dir / "no_sync_lab.json").write_text(json.dumps(out, indent=1), encoding="utf-8")
-            log(f"[no_sync_lab] wrote {show(out_dir / 'no_sync_lab.json')}")
+            path = Path(opts["out_dir"]) / "no_sync_lab.json"
+            write_json(path, out)
+            log(f"[no_sync_lab] wrote {show(path)}")
         dist.barrier()
-    return out
+    return 0
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    sys.exit(main())

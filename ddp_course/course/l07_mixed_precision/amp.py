@@ -240,6 +240,44 @@ def _all_finite(grads: list[torch.Tensor]) -> bool:
     return bool(torch.stack([torch.isfinite(g).all() for g in grads]).all())
 
 
+def _recorded_fp16_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
+                        x: torch.Tensor, y: torch.Tensor, grad_clip: float) -> dict[str, Any]:
+    """One fp16 step of :func:`gradscaler_demo`, the recipe of ``train.train_step`` with each stage recorded."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    scale = scaler.get_scale()
+    with autocast(x.device, "fp16"):
+        _, loss = model(x, y)
+    scaler.scale(loss).backward()
+    grads = _grads(model)
+    norm_scaled = _norm(grads)
+    scaler.unscale_(optimizer)
+    found_inf = not _all_finite(grads)
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(params, grad_clip))
+    before = [p.detach().clone() for p in params]
+    scaler.step(optimizer)
+    skipped = all(torch.equal(a, p.detach()) for a, p in zip(before, params))
+    scaler.update()
+    steps_taken = optimizer.state[params[0]].get("step", torch.zeros(())) if optimizer.state else torch.zeros(())
+    optimizer.zero_grad(set_to_none=True)
+    return {"loss": loss.item(), "scale": scale, "grad_norm_scaled": norm_scaled, "grad_norm": grad_norm,
+            "found_inf": found_inf, "skipped": skipped, "scale_after": scaler.get_scale(),
+            "optimizer_steps": int(steps_taken)}
+
+
+def _bf16_spiked_backward(model: nn.Module, x: torch.Tensor, y: torch.Tensor, multiplier: float) -> dict[str, Any]:
+    """The spiked step again, in bf16 with no scaler at all, and the gradient made as large as the
+    scaled fp16 one that overflowed: bf16 has fp32's exponent, so it does not overflow."""
+    h = gradient_spike(model.head, multiplier, lambda: True)
+    try:
+        with autocast(x.device, "bf16"):
+            _, loss = model(x, y)
+        loss.backward()
+    finally:
+        h.remove()
+    g = _grads(model)
+    return {"ran": True, "multiplier": multiplier, "all_finite": _all_finite(g), "grad_norm": _norm(g)}
+
+
 def gradscaler_demo(model: nn.Module, batches: Sequence[tuple[torch.Tensor, torch.Tensor]], *,
                     spike_step: int = 3, spike: float = 2.0 ** 12, init_scale: float = 2.0 ** 16,
                     growth_interval: int = 3, grad_clip: float = 1.0, lr: float = 1e-3,
@@ -272,53 +310,22 @@ def gradscaler_demo(model: nn.Module, batches: Sequence[tuple[torch.Tensor, torc
     bf16_model = copy.deepcopy(model) if device.type == "cpu" or torch.cuda.is_bf16_supported() else None
     optimizer = build_optimizer(model, TrainConfig(lr=lr, warmup_steps=1), device)
     scaler = torch.amp.GradScaler(device.type, init_scale=init_scale, growth_interval=growth_interval)
-    params = [p for p in model.parameters() if p.requires_grad]
     state = {"spike": False}
     handle = gradient_spike(model.head, spike, lambda: state["spike"])
     rows = []
     try:
         for step, (x, y) in enumerate(batches):
-            x, y = x.to(device), y.to(device)
             state["spike"] = step == spike_step
-            scale = scaler.get_scale()
-            with autocast(device, "fp16"):
-                _, loss = model(x, y)
-            scaler.scale(loss).backward()
-            grads = _grads(model)
-            norm_scaled = _norm(grads)
-            scaler.unscale_(optimizer)
-            found_inf = not _all_finite(grads)
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, grad_clip))
-            before = [p.detach().clone() for p in params]
-            scaler.step(optimizer)
-            skipped = all(torch.equal(a, p.detach()) for a, p in zip(before, params))
-            scaler.update()
-            steps_taken = optimizer.state[params[0]].get("step", torch.zeros(())) if optimizer.state else torch.zeros(())
-            rows.append({"step": step, "loss": loss.item(), "scale": scale, "spiked": state["spike"],
-                         "grad_norm_scaled": norm_scaled, "grad_norm": grad_norm, "found_inf": found_inf,
-                         "skipped": skipped, "scale_after": scaler.get_scale(),
-                         "optimizer_steps": int(steps_taken)})
-            optimizer.zero_grad(set_to_none=True)
+            row = _recorded_fp16_step(model, optimizer, scaler, x.to(device), y.to(device), grad_clip)
+            rows.append({"step": step, "loss": row["loss"], "scale": row["scale"], "spiked": state["spike"], **row})
     finally:
         handle.remove()
         state["spike"] = False
 
     bf16_check: dict[str, Any] = {"ran": False, "reason": "this GPU has no bfloat16 support"}
     if bf16_model is not None:
-        # The spiked step again, in bf16 with no scaler at all, and the gradient made as large as
-        # the scaled fp16 one that overflowed: bf16 has fp32's exponent, so it does not overflow.
         x, y = (t.to(device) for t in batches[spike_step])
-        on = {"spike": True}
-        h = gradient_spike(bf16_model.head, spike * rows[spike_step]["scale"], lambda: on["spike"])
-        try:
-            with autocast(device, "bf16"):
-                _, loss = bf16_model(x, y)
-            loss.backward()
-        finally:
-            h.remove()
-        g = _grads(bf16_model)
-        bf16_check = {"ran": True, "multiplier": spike * rows[spike_step]["scale"], "all_finite": _all_finite(g),
-                      "grad_norm": _norm(g)}
+        bf16_check = _bf16_spiked_backward(bf16_model, x, y, spike * rows[spike_step]["scale"])
     settings = {"device": str(device), "init_scale": init_scale, "growth_interval": growth_interval,
                 "growth_factor": scaler.get_growth_factor(), "backoff_factor": scaler.get_backoff_factor(),
                 "spike_step": spike_step, "spike": spike, "grad_clip": grad_clip,
@@ -345,6 +352,56 @@ __all__ = ["module_dtypes", "op_dtypes", "summarize_ops", "format_op_table", "fo
 
 # --------------------------------------------------------------------------------------------------
 # the notebook exercise: one fp16 step with a GradScaler, checked against the course's train_step
+
+def _raised_hint(exc: Exception) -> str:
+    """The first line of what the learner's step raised, with what usually causes it."""
+    text = str(exc)
+    hint = (" -- the loss must go through scaler.scale(loss).backward()" if "_scale is None" in text else
+            " -- call scaler.update() at the end of every step (it resets the scaler for the next one)"
+            if "after step()" in text or "already been called" in text else
+            " -- step with scaler.step(optimizer): it checks the gradients for inf/nan (and skips the step "
+            "if it finds any), and update() needs that check" if "No inf checks" in text else "")
+    return f"{text.splitlines()[0]}{hint}"
+
+
+def _skipped_step_problem(step: int, d_mine: torch.Tensor, scale: float, ref_scale: float) -> str | None:
+    """What is wrong with the learner's step that overflowed fp16 (it must be skipped), or None."""
+    if not torch.isfinite(d_mine).all():
+        return (f"step {step} overflowed fp16 and your step wrote inf/nan into the weights: "
+                "step through the scaler, scaler.step(optimizer), which skips such a step.")
+    if d_mine.abs().max() > 0:
+        return (f"step {step} overflowed fp16 but the weights still changed: the step must "
+                "be skipped -- call scaler.step(optimizer), not optimizer.step().")
+    if scale != ref_scale:
+        return (f"after the overflow at step {step} the scale is {scale:g}, expected {ref_scale:g}: "
+                "call scaler.update() once per step, after scaler.step(optimizer).")
+    return None
+
+
+def _update_problem(d_mine: torch.Tensor, d_ref: torch.Tensor, scale: float, ref_scale: float) -> str | None:
+    """What is wrong with the learner's weight update ``d_mine`` against the reference's, or None."""
+    # Both run the same fp16 kernels on the same inputs in the same order, so the updates agree to
+    # float rounding; 1e-3 relative leaves room for a different (valid) order of the same operations
+    # while every mistake checked here changes the update by a factor of 2 or more.
+    n_ref, n_mine = d_ref.norm().item(), d_mine.norm().item()
+    if (d_mine - d_ref).norm() <= 1e-3 * n_ref and scale == ref_scale:
+        return None
+    ratio = n_mine / n_ref if n_ref else float("inf")
+    if not math.isfinite(ratio) or not torch.isfinite(d_mine).all():
+        return "the weights became inf/nan."
+    if ratio < 1e-2:
+        return (f"the weights moved {ratio:.1e} times as far as they should: the gradient was still multiplied by the "
+                "scale when it was clipped (call scaler.unscale_(optimizer) before clip_grad_norm_), or the loss "
+                "was not scaled before backward (scaler.scale(loss).backward()).")
+    if ratio > 1.05:
+        return (f"the weights moved {ratio:.2f} times as far as they should: clip the unscaled gradient to "
+                "grad_clip with torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip) before the step.")
+    if scale != ref_scale:
+        return f"the scale is {scale:g}, expected {ref_scale:g}: call scaler.update() once at the end of every step."
+    return (f"the update differs from the reference by {(d_mine - d_ref).norm().item() / n_ref:.1%}: "
+            "compare your order of operations with the recipe (autocast forward, scaled backward, "
+            "unscale_, clip, scaler.step, scaler.update, zero_grad).")
+
 
 def check_amp_step(fn: Callable[..., Any], *, device: torch.device | None = None, steps: int = 5,
                    spike_step: int = 2) -> Any:
@@ -389,13 +446,7 @@ def check_amp_step(fn: Callable[..., Any], *, device: torch.device | None = None
         except NotImplementedError:
             return not_complete("amp_step()")
         except Exception as exc:  # the learner's bug, reported in one line, with what usually causes it
-            text = str(exc)
-            hint = (" -- the loss must go through scaler.scale(loss).backward()" if "_scale is None" in text else
-                    " -- call scaler.update() at the end of every step (it resets the scaler for the next one)"
-                    if "after step()" in text or "already been called" in text else
-                    " -- step with scaler.step(optimizer): it checks the gradients for inf/nan (and skips the step "
-                    "if it finds any), and update() needs that check" if "No inf checks" in text else "")
-            return Verdict(False, f"step {step}: amp_step raised {type(exc).__name__}: {text.splitlines()[0]}{hint}")
+            return Verdict(False, f"step {step}: amp_step raised {type(exc).__name__}: {_raised_hint(exc)}")
         if my_now["dtype"] != torch.float16:
             return Verdict(False, f"step {step}: the output layer ran in {my_now['dtype']}, not float16: run the "
                                   "forward under torch.autocast(device_type=x.device.type, dtype=torch.float16).")
@@ -404,41 +455,13 @@ def check_amp_step(fn: Callable[..., Any], *, device: torch.device | None = None
                                   "step (optimizer.zero_grad(set_to_none=True)), or the next step adds to them.")
         d_ref = torch.cat([(p.detach() - w).reshape(-1) for p, w in zip(ref.parameters(), w_ref)])
         d_mine = torch.cat([(p.detach() - w).reshape(-1) for p, w in zip(mine.parameters(), w_mine)])
+        scales = (my_scaler.get_scale(), ref_scaler.get_scale())
         if step == spike_step:
-            if not torch.isfinite(d_mine).all():
-                return Verdict(False, f"step {step} overflowed fp16 and your step wrote inf/nan into the weights: "
-                                      "step through the scaler, scaler.step(optimizer), which skips such a step.")
-            if d_mine.abs().max() > 0:
-                return Verdict(False, f"step {step} overflowed fp16 but the weights still changed: the step must "
-                                      "be skipped -- call scaler.step(optimizer), not optimizer.step().")
-            if my_scaler.get_scale() != ref_scaler.get_scale():
-                return Verdict(False, f"after the overflow at step {step} the scale is {my_scaler.get_scale():g}, "
-                                      f"expected {ref_scaler.get_scale():g}: call scaler.update() once per step, "
-                                      "after scaler.step(optimizer).")
-            continue
-        # Both run the same fp16 kernels on the same inputs in the same order, so the updates agree to
-        # float rounding; 1e-3 relative leaves room for a different (valid) order of the same operations
-        # while every mistake checked here changes the update by a factor of 2 or more.
-        n_ref, n_mine = d_ref.norm().item(), d_mine.norm().item()
-        if (d_mine - d_ref).norm() <= 1e-3 * n_ref and my_scaler.get_scale() == ref_scaler.get_scale():
-            continue
-        ratio = n_mine / n_ref if n_ref else float("inf")
-        if not math.isfinite(ratio) or not torch.isfinite(d_mine).all():
-            hint = "the weights became inf/nan."
-        elif ratio < 1e-2:
-            hint = (f"the weights moved {ratio:.1e} times as far as they should: the gradient was still multiplied by the "
-                    "scale when it was clipped (call scaler.unscale_(optimizer) before clip_grad_norm_), or the loss "
-                    "was not scaled before backward (scaler.scale(loss).backward()).")
-        elif ratio > 1.05:
-            hint = (f"the weights moved {ratio:.2f} times as far as they should: clip the unscaled gradient to "
-                    "grad_clip with torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip) before the step.")
-        elif my_scaler.get_scale() != ref_scaler.get_scale():
-            hint = (f"the scale is {my_scaler.get_scale():g}, expected {ref_scaler.get_scale():g}: call "
-                    "scaler.update() once at the end of every step.")
+            problem = _skipped_step_problem(step, d_mine, *scales)
         else:
-            hint = (f"the update differs from the reference by {(d_mine - d_ref).norm().item() / n_ref:.1%}: "
-                    "compare your order of operations with the recipe (autocast forward, scaled backward, "
-                    "unscale_, clip, scaler.step, scaler.update, zero_grad).")
-        return Verdict(False, f"step {step}: {hint}")
+            problem = _update_problem(d_mine, d_ref, *scales)
+            problem = problem and f"step {step}: {problem}"
+        if problem:
+            return Verdict(False, problem)
     return Verdict(True, f"{steps} fp16 steps match the course's train_step, including the skipped step {spike_step} "
                          "(overflow) and the scale's back-off after it.")

@@ -24,7 +24,6 @@ Every rank writes ``amp_ddp_rank<R>.json`` into ``--out_dir``. Options are ``--k
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -34,11 +33,13 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from ddp_course import parallel
-from ddp_course.cli import FlagError, parse_flags
+from ddp_course.cli import FlagError, command
 from ddp_course.config import TrainConfig
 from ddp_course.course.l07_mixed_precision.amp import gradient_spike
+from ddp_course.course.options import parse_flags_or_help, require_device
 from ddp_course.data import prepare, train_batches
-from ddp_course.dist import DeviceError, log, seed_everything, setup
+from ddp_course.dist import log, seed_everything, setup
+from ddp_course.metrics import write_json
 from ddp_course.model import GPTConfig, MiniGPT
 from ddp_course.paths import show
 from ddp_course.train import build_optimizer, make_scaler, train_step
@@ -125,23 +126,18 @@ def run_precision(precision: str, opts: dict[str, Any], info, data) -> dict[str,
                                                    "backoff_factor": scaler.get_backoff_factor()}}
 
 
-def main(argv: list[str]) -> dict[str, Any]:
-    if any(a in ("-h", "--help") for a in argv):
-        print(__doc__)
-        print("options: " + ", ".join(f"--{k}={v}" for k, v in DEFAULTS.items()))
-        raise SystemExit(0)
-    try:
-        opts = parse_flags(argv, DEFAULTS, prog=PROG)
-    except FlagError as exc:
-        raise SystemExit(f"error: {exc}") from None
+@command
+def main(argv: list[str]) -> int:
+    opts = parse_flags_or_help(argv, DEFAULTS, PROG, __doc__)
     precisions = [p.strip() for p in opts["precisions"].split(",") if p.strip()]
     bad = [p for p in precisions if p not in ("fp32", "bf16", "fp16")]
     if bad or not precisions:
-        raise SystemExit(f"error: --precisions={opts['precisions']!r}: each must be fp32, bf16 or fp16 "
-                         "(comma-separated, e.g. --precisions=bf16,fp16).")
+        raise FlagError(f"--precisions={opts['precisions']!r}: each must be fp32, bf16 or fp16 "
+                        "(comma-separated, e.g. --precisions=bf16,fp16).")
+    require_device(opts["device"])
     with setup(opts["device"], opts["timeout_s"], opts["threads"]) as info:
         if not info.is_distributed:
-            raise SystemExit(f"error: this lab compares ranks; launch it with `{PROG}`.")
+            raise FlagError(f"this lab compares ranks; launch it with `{PROG}`.")
         if "bf16" in precisions and info.device.type == "cuda" and not torch.cuda.is_bf16_supported():
             log("[amp_ddp] this GPU has no bfloat16 support: bf16 left out (it needs compute capability 8.0+)")
             precisions = [p for p in precisions if p != "bf16"]
@@ -160,15 +156,11 @@ def main(argv: list[str]) -> dict[str, Any]:
                 f"{res['rows'][-1]['scale_after']}; max |w - w_rank0| {res['max_param_diff_vs_rank0']:.1e}",
                 all_ranks=True)
         out = Path(opts["out_dir"])
-        out.mkdir(parents=True, exist_ok=True)
-        (out / f"amp_ddp_rank{info.rank}.json").write_text(json.dumps(result, indent=1), encoding="utf-8")
+        write_json(out / f"amp_ddp_rank{info.rank}.json", result)
         dist.barrier()  # every file is written before rank 0 reports done
         log(f"[amp_ddp] wrote {show(out)}/amp_ddp_rank*.json")
-    return result
+    return 0
 
 
 if __name__ == "__main__":
-    try:
-        main(sys.argv[1:])
-    except DeviceError as exc:
-        raise SystemExit(f"error: {exc}") from None
+    sys.exit(main())

@@ -8,6 +8,7 @@ from typing import Any
 
 import matplotlib.pyplot as plt
 
+from ddp_course.course import plots
 from ddp_course.course.plots import bars
 
 
@@ -16,9 +17,7 @@ def dtype_ranges(rows: list[dict[str, Any]], *, marks: dict[str, float] | None =
 
     ``marks``: vertical lines at values worth locating (e.g. a typical gradient, fp16's maximum).
     """
-    fig = None
-    if ax is None:
-        fig, ax = plt.subplots(figsize=(8, 2.6))
+    fig, ax = plots.new_axes(ax, (8, 2.6))
     for i, r in enumerate(rows):
         lo, mid, hi = (math.log10(r[k]) for k in ("smallest_subnormal", "smallest_normal", "max"))
         ax.barh(i, mid - lo, left=lo, color=f"C{i}", alpha=0.35, height=0.6)
@@ -34,9 +33,7 @@ def dtype_ranges(rows: list[dict[str, Any]], *, marks: dict[str, float] | None =
     ax.set_ylim(-0.6, len(rows) + 0.3)
     ax.grid(axis="x", alpha=0.3)
     ax.set_title("the range each format can hold")
-    if fig is not None:
-        fig.tight_layout()
-    return fig or ax.figure
+    return plots.finish(fig, ax)
 
 
 def scaler_trace(demo: dict[str, Any]):

@@ -25,7 +25,6 @@ parameters are identical to the last bit.
 from __future__ import annotations
 
 import contextlib
-import json
 import shutil
 import sys
 from pathlib import Path
@@ -34,9 +33,9 @@ from typing import Any
 import torch
 
 from ddp_course import checkpoint
-from ddp_course.cli import FlagError, parse_flags
+from ddp_course.cli import FlagError, command, parse_flags
 from ddp_course.config import TrainConfig
-from ddp_course.metrics import read_jsonl
+from ddp_course.metrics import read_jsonl, write_json
 from ddp_course.train import main as train_main
 
 PROG = "python -m ddp_course.course.l08_checkpointing.ckpt_forget"
@@ -74,15 +73,12 @@ def _losses(out_dir: Path, after: int) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in read_jsonl(out_dir / "metrics.jsonl") if "loss" in r and r["step"] > after}
 
 
+@command
 def main(argv: list[str]) -> int:
-    try:
-        opts = parse_flags(argv, DEFAULTS, PROG)
-        if not 0 < opts["resume_at"] < opts["max_steps"]:
-            raise FlagError(f"{PROG}: --resume_at must be between 0 and --max_steps={opts['max_steps']} "
-                            f"(got {opts['resume_at']}).")
-    except FlagError as exc:
-        print(f"error: {exc}", flush=True)
-        return 2
+    opts = parse_flags(argv, DEFAULTS, PROG)
+    if not 0 < opts["resume_at"] < opts["max_steps"]:
+        raise FlagError(f"{PROG}: --resume_at must be between 0 and --max_steps={opts['max_steps']} "
+                        f"(got {opts['resume_at']}).")
     root, k = Path(opts["out_dir"]), opts["resume_at"]
     for name in ("uninterrupted", *(f"forget_{part}" for part in VARIANTS)):  # this lab's folders, nothing else
         shutil.rmtree(root / name, ignore_errors=True)
@@ -110,7 +106,7 @@ def main(argv: list[str]) -> int:
             "max_loss_diff": max(abs(losses[s] - ref_losses[s]) for s in ref_losses),
             "max_param_diff": max((final[n] - ref_final[n]).abs().max().item() for n in ref_final),
             "identical": all(torch.equal(final[n], ref_final[n]) for n in ref_final) and losses == ref_losses}
-    (root / "forget.json").write_text(json.dumps(report, indent=2), encoding="utf-8")
+    write_json(root / "forget.json", report)
     print(f"{'forgotten':<12}{'max |loss diff|':>18}{'max |param diff|':>18}  bit-identical")
     for part, v in report["variants"].items():
         print(f"{part:<12}{v['max_loss_diff']:>18.3e}{v['max_param_diff']:>18.3e}  {v['identical']}")
@@ -118,4 +114,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main())

@@ -22,7 +22,6 @@ process has one, else on the CPU; the first line says which.
 from __future__ import annotations
 
 import io
-import json
 import os
 import signal
 import sys
@@ -32,9 +31,11 @@ from typing import Any
 import torch
 
 from ddp_course import checkpoint, parallel
-from ddp_course.cli import FlagError, parse_flags
+from ddp_course.cli import FlagError, command, parse_flags
 from ddp_course.config import TrainConfig
-from ddp_course.dist import DeviceError, choose_device, log, seed_everything, setup
+from ddp_course.course.options import require_device
+from ddp_course.dist import log, seed_everything, setup
+from ddp_course.metrics import write_json
 from ddp_course.model import GPTConfig, MiniGPT
 from ddp_course.train import build_optimizer, train_step
 
@@ -68,16 +69,13 @@ def _arm_kill(fmt: str) -> str:
     return "every rank's part written into the .tmp folder, the index (.metadata) not yet"
 
 
+@command
 def main(argv: list[str]) -> int:
-    try:
-        opts = parse_flags(argv, DEFAULTS, PROG)
-        if opts["format"] not in checkpoint.FORMATS:
-            raise FlagError(f"{PROG}: --format must be one of {', '.join(checkpoint.FORMATS)} "
-                            f"(got {opts['format']!r}).")
-        choose_device(opts["device"], int(os.environ.get("LOCAL_WORLD_SIZE", 1)))  # a device this machine has
-    except (FlagError, DeviceError) as exc:
-        print(f"error: {exc}", flush=True)
-        return 2
+    opts = parse_flags(argv, DEFAULTS, PROG)
+    if opts["format"] not in checkpoint.FORMATS:
+        raise FlagError(f"{PROG}: --format must be one of {', '.join(checkpoint.FORMATS)} "
+                        f"(got {opts['format']!r}).")
+    require_device(opts["device"])  # a device this machine has
     out_dir, fmt = Path(opts["out_dir"]), opts["format"]
     with setup(device=opts["device"], timeout_s=opts["timeout_s"]) as info:
         log(f"[ckpt_kill] {info.world_size} process(es), {info.device_reason}")
@@ -102,8 +100,7 @@ def main(argv: list[str]) -> int:
             report = {"format": fmt, "world_size": info.world_size, "saved": str(path1), "saved_step": 1,
                       "fingerprint": fp1, "killing": str(checkpoint.checkpoint_path(out_dir, 2, fmt)) + ".tmp",
                       "killed_when": where}
-            out_dir.mkdir(parents=True, exist_ok=True)
-            (out_dir / "ckpt_kill.json").write_text(json.dumps(report, indent=2), encoding="utf-8")
+            write_json(out_dir / "ckpt_kill.json", report)
             log(f"saved checkpoint 1 ({path1.name}, fingerprint {fp1}); saving checkpoint 2 and killing rank 0 "
                 f"with SIGKILL when {where}")
         checkpoint.save(out_dir, 2, model, optimizer, None, info, SHAPE, keep_last=2, fmt=fmt)
@@ -112,4 +109,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main())

@@ -19,16 +19,16 @@ either, whichever device saved it).
 
 from __future__ import annotations
 
-import json
-import os
 import sys
 from pathlib import Path
 from typing import Any
 
 from ddp_course import checkpoint, parallel
-from ddp_course.cli import FlagError, parse_flags
+from ddp_course.cli import FlagError, command, parse_flags
 from ddp_course.config import TrainConfig
-from ddp_course.dist import DeviceError, choose_device, log, setup
+from ddp_course.course.options import require_device
+from ddp_course.dist import log, setup
+from ddp_course.metrics import write_json
 from ddp_course.model import GPTConfig, MiniGPT
 from ddp_course.train import build_optimizer
 
@@ -60,24 +60,20 @@ def load_into_new_job(path: str | Path, info) -> dict[str, Any]:
     return row
 
 
+@command
 def main(argv: list[str]) -> int:
-    try:
-        opts = parse_flags(argv, DEFAULTS, PROG)
-        paths = [p for p in opts["ckpts"].split(",") if p]
-        if not paths:
-            raise FlagError(f"{PROG}: give the checkpoints to load, e.g. "
-                            "--ckpts=runs/a/checkpoints/step_0000010.pt,runs/b/checkpoints/step_0000010")
-        choose_device(opts["device"], int(os.environ.get("LOCAL_WORLD_SIZE", 1)))  # a device this machine has
-    except (FlagError, DeviceError) as exc:
-        print(f"error: {exc}", flush=True)
-        return 2
+    opts = parse_flags(argv, DEFAULTS, PROG)
+    paths = [p for p in opts["ckpts"].split(",") if p]
+    if not paths:
+        raise FlagError(f"{PROG}: give the checkpoints to load, e.g. "
+                        "--ckpts=runs/a/checkpoints/step_0000010.pt,runs/b/checkpoints/step_0000010")
+    require_device(opts["device"])  # a device this machine has
     out_dir = Path(opts["out_dir"])
     with setup(device=opts["device"], timeout_s=opts["timeout_s"]) as info:
         log(f"[ckpt_reshard] {info.world_size} rank(s), {info.device_reason}")
         rows = [load_into_new_job(p, info) for p in paths]  # every rank, same order: resume is a collective
-        out_dir.mkdir(parents=True, exist_ok=True)
         report = {"rank": info.rank, "world_size": info.world_size, "checkpoints": rows}
-        (out_dir / f"reshard_rank{info.rank}.json").write_text(json.dumps(report, indent=2), encoding="utf-8")
+        write_json(out_dir / f"reshard_rank{info.rank}.json", report)
         for r in rows:
             log(f"{Path(r['path']).name} ({r['format']}, saved by {r['saved_world_size']} rank(s), step {r['step']}) "
                 f"-> fingerprint {r['fingerprint']}, RNG of saving rank {r['rng_from_rank']}", all_ranks=True)
@@ -85,4 +81,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main())

@@ -18,16 +18,12 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from ddp_course.check import Verdict, not_complete, results
+from ddp_course.check import Verdict, last_lines, not_complete, results
 
 NPROC = 2
 MAX_STEPS, CKPT_STEP, FAIL_AT_STEP = 12, 6, 9
 # torch 2.x: restarted workers would find the first attempt's addresses in torchrun's shared store
 RESTART_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-
-
-def _tail(output: str, n: int = 15) -> str:
-    return "\n".join(output.splitlines()[-n:])
 
 
 def diagnose(found: list[dict]) -> Verdict:
@@ -92,7 +88,7 @@ def grade(path: str | Path, timeout: float = 180) -> Verdict:
             return Verdict(False, f"the job did not finish within {timeout:.0f}s and was stopped. A save that waits "
                                   "forever is usually a collective that only some ranks call: dist.barrier() or "
                                   "dist.gather_object() inside `if rank == 0:` waits for ranks that never come. "
-                                  f"Last lines:\n{_tail(exc.run.output)}")
+                                  f"{last_lines(exc.run.output).lstrip()}")
         if "NotImplementedError" in job.output:
             return not_complete("save_checkpoint() or load_checkpoint()", path)
         found = results(job.output)
@@ -101,7 +97,7 @@ def grade(path: str | Path, timeout: float = 180) -> Verdict:
                     "dist.barrier() or dist.gather_object() inside `if rank == 0:`, waits for ranks that never come."
                     if any(s in job.output for s in ("timed out", "Timeout", "timeout")) else "")
             return Verdict(False, f"after the crash and the restart, the job did not finish on every rank (exit code "
-                                  f"{job.returncode}).{hint} Last lines:\n{_tail(job.output)}")
+                                  f"{job.returncode}).{hint}{last_lines(job.output)}")
         return diagnose(found)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)

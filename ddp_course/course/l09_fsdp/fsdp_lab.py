@@ -48,11 +48,13 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from ddp_course import checkpoint, parallel
+from ddp_course.cli import FlagError, command
 from ddp_course.config import ConfigError, TrainConfig
-from ddp_course.course.l05_inside_ddp.ddp_common import FlagError, parse_flags, write_json
 from ddp_course.course.l09_fsdp import memory
+from ddp_course.course.options import parse_flags_or_help
 from ddp_course.data import prepare, train_batches
 from ddp_course.dist import all_reduce_mean, log, seed_everything, setup
+from ddp_course.metrics import write_json
 from ddp_course.model import GPTConfig, MiniGPT
 from ddp_course.train import build_optimizer, lr_at, train_step
 
@@ -308,32 +310,20 @@ def fsdp1_hybrid_bug(opts: dict[str, Any], info, data) -> dict[str, Any]:
     return {"refusal": refusal, "grad_norm_per_rank": norms}
 
 
+@command
 def main(argv: list[str]) -> int:
-    try:
-        if argv and argv[0] in ("-h", "--help"):
-            print(__doc__)
-            print("options: " + ", ".join(f"--{k}={v}" for k, v in DEFAULTS.items()))
-            return 0
-        opts = parse_flags(argv, DEFAULTS, PROG)
-        names = [v for v in opts["variants"].split(",") if v]
-        for n in names:
-            if n not in VARIANTS:
-                raise FlagError(f"{PROG}: unknown variant {n!r}; choose from {', '.join(VARIANTS)}.")
-    except FlagError as exc:
-        print(f"error: {exc}", flush=True)
-        return 2
+    opts = parse_flags_or_help(argv, DEFAULTS, PROG, __doc__)
+    names = [v for v in opts["variants"].split(",") if v]
+    for n in names:
+        if n not in VARIANTS:
+            raise FlagError(f"{PROG}: unknown variant {n!r}; choose from {', '.join(VARIANTS)}.")
     out_dir = Path(opts["out_dir"])
     with setup(device=opts["device"], timeout_s=opts["timeout_s"]) as info:
         if not info.is_distributed:
-            print(f"error: {PROG} compares strategies across ranks: launch it with torchrun "
-                  f"(torchrun --standalone --nproc_per_node=2 -m ddp_course.course.l09_fsdp.fsdp_lab).", flush=True)
-            return 2
-        try:
-            for n in names:
-                variant_config(n, opts, info.world_size)
-        except FlagError as exc:
-            log(f"error: {exc}")
-            return 2
+            raise FlagError(f"{PROG} compares strategies across ranks: launch it with torchrun "
+                            f"(torchrun --standalone --nproc_per_node=2 -m ddp_course.course.l09_fsdp.fsdp_lab).")
+        for n in names:
+            variant_config(n, opts, info.world_size)  # a variant this world size cannot run: FlagError
         data = prepare(opts["corpus"], opts["block_size"], 0.1, announce=lambda m: None)
         report: dict[str, Any] = {"world_size": info.world_size, "device": str(info.device), "backend": info.backend,
                                   "options": opts, "vocab_size": data.tokenizer.vocab_size, "variants": {}}
@@ -376,4 +366,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main())

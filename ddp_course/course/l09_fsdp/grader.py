@@ -18,16 +18,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ddp_course.check import Verdict, not_complete, results
+from ddp_course.check import Verdict, run_exercise
 
 NPROC = 2
 BALANCE_TOL = 0.05  # vocabulary rows (65) do not split evenly: a few hundred bytes of ~70 kB
 NORM_RTOL = 1e-5  # one process on the global batch vs 2 ranks averaging: last-bit differences, ~1e-7
 ROOT_PARAMS = ("tok_emb.weight", "pos_emb.weight", "ln_f.weight", "ln_f.bias")
-
-
-def _tail(output: str, n: int = 15) -> str:
-    return "\n".join(output.splitlines()[-n:])
 
 
 def harness_constants(path: str | Path) -> dict:
@@ -114,20 +110,7 @@ def diagnose(found: list[dict], reference: dict[str, float], lr: float) -> Verdi
 
 def collect(path: str | Path, timeout: float = 180) -> list[dict] | Verdict:
     """Run the script on 2 ranks: its RESULT lines, or a failing verdict saying why there are none."""
-    from ddp_course.launch import LaunchTimeout, run
-
-    try:
-        r = run(str(path), nproc=NPROC, echo="none", progress=False, timeout=timeout, check=False)
-    except LaunchTimeout as exc:
-        return Verdict(False, f"the script did not finish within {timeout:.0f}s and was stopped. "
-                              f"Last lines:\n{_tail(exc.run.output)}")
-    if "NotImplementedError" in r.output:
-        return not_complete("shard()", path)
-    found = results(r.output)
-    if len(found) != NPROC:
-        return Verdict(False, f"the script did not finish on every rank (exit code {r.returncode}). "
-                              f"Last lines:\n{_tail(r.output)}")
-    return found
+    return run_exercise(path, NPROC, "shard()", timeout)
 
 
 def grade(path: str | Path, timeout: float = 180) -> Verdict:

@@ -32,9 +32,7 @@ Rank 0 writes ``compile_ddp.json`` into ``--out_dir``.
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import statistics
 import sys
 import time
@@ -46,8 +44,10 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddp_course import parallel
-from ddp_course.cli import FlagError, parse_flags
-from ddp_course.dist import DeviceError, choose_device, log, setup
+from ddp_course.cli import FlagError, command, parse_flags
+from ddp_course.course.options import require_device
+from ddp_course.dist import log, setup
+from ddp_course.metrics import write_json
 from ddp_course.model import GPTConfig, MiniGPT
 from ddp_course.paths import show
 
@@ -305,17 +305,13 @@ def timing(opts: dict[str, Any], data) -> dict[str, Any]:
     return out
 
 
-def main(argv: list[str]) -> dict[str, Any] | None:
-    try:
-        opts = parse_flags(argv, DEFAULTS, PROG)
-        choose_device(opts["device"], int(os.environ.get("LOCAL_WORLD_SIZE", 1)))  # a device this machine has
-    except (FlagError, DeviceError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        raise SystemExit(2) from None
+@command
+def main(argv: list[str]) -> int:
+    opts = parse_flags(argv, DEFAULTS, PROG)
+    require_device(opts["device"])  # a device this machine has
     with setup(device=opts["device"], timeout_s=opts["timeout_s"], threads=1) as info:
         if not info.is_distributed:
-            print(f"error: run it with torchrun: {PROG}", file=sys.stderr)
-            raise SystemExit(2)
+            raise FlagError(f"run it with torchrun: {PROG}")
         log(f"[compile_ddp] {info.world_size} ranks, {info.device_reason}; backend {opts['backend']}")
         opts = {**opts, "_device": info.device}
         rec = Recompiles()
@@ -332,9 +328,8 @@ def main(argv: list[str]) -> dict[str, Any] | None:
             v.strip() for v in opts["variants"].split(",") if v.strip() and v.strip() != "eager"))
         unknown = [v for v in chosen if v not in VARIANTS]
         if unknown or (opts["breakages"] and "compile(DDP(model))" not in chosen):
-            print(f"error: --variants must name some of {', '.join(VARIANTS)} (and include compile(DDP(model)) "
-                  f"when --breakages=true); got {opts['variants']!r}", file=sys.stderr)
-            raise SystemExit(2)
+            raise FlagError(f"--variants must name some of {', '.join(VARIANTS)} (and include compile(DDP(model)) "
+                            f"when --breakages=true); got {opts['variants']!r}")
         for name in chosen:
             t0 = time.perf_counter()
             res, model = variant(name, opts, data, rec)
@@ -363,12 +358,11 @@ def main(argv: list[str]) -> dict[str, Any] | None:
             section_s["timing"] = time.perf_counter() - t0
         result["section_s"] = section_s
         if info.is_main:
-            out = Path(opts["out_dir"])
-            out.mkdir(parents=True, exist_ok=True)
-            (out / "compile_ddp.json").write_text(json.dumps(result, indent=1), encoding="utf-8")
-            log(f"[compile_ddp] wrote {show(out / 'compile_ddp.json')}")
-        return result
+            path = Path(opts["out_dir"]) / "compile_ddp.json"
+            write_json(path, result)
+            log(f"[compile_ddp] wrote {show(path)}")
+    return 0
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    sys.exit(main())

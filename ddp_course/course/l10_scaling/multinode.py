@@ -29,13 +29,15 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-from ddp_course.cli import FlagError, parse_flags
+from ddp_course.cli import FlagError, command
+from ddp_course.course.options import parse_flags_or_help
 
 PROG = "python -m ddp_course multinode"
 
 
-class MultinodeError(ValueError):
-    """A bad option, or a generated command that torchrun would refuse. The message says why."""
+class MultinodeError(FlagError):
+    """A bad option, or a generated command that torchrun would refuse. The message says why
+    (a ``FlagError``: ``@command`` prints it and the command exits with code 2)."""
 
 
 @dataclass(frozen=True)
@@ -273,7 +275,7 @@ def spec_from_argv(argv: list[str]) -> JobSpec:
     else:
         train_args = ["--strategy=ddp"]
     try:
-        o = parse_flags(argv, DEFAULTS, PROG)
+        o = parse_flags_or_help(argv, DEFAULTS, PROG, __doc__)
     except FlagError as exc:
         raise MultinodeError(str(exc)) from None
     if o["nnodes"] < 1 or o["nproc"] < 1:
@@ -313,19 +315,11 @@ def render(spec: JobSpec) -> str:
     return "\n".join(out)
 
 
+@command
 def main(argv: list[str]) -> int:
-    if any(a in ("-h", "--help") for a in argv):
-        print(__doc__)
-        print("options: " + ", ".join(f"--{k}={v!r}" for k, v in DEFAULTS.items()))
-        return 0
-    try:
-        spec = spec_from_argv(argv)
-        print(render(spec))
-    except MultinodeError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    print(render(spec_from_argv(argv)))
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main())

@@ -26,7 +26,7 @@ import time
 import uuid
 from pathlib import Path
 
-from ddp_course.cli import FlagError, parse_flags
+from ddp_course.cli import command, parse_flags
 from ddp_course.course.l04_ddp.spawn_demo import free_port
 from ddp_course.launch import _JOB_VAR, stop_job
 
@@ -126,12 +126,9 @@ def run_two_nodes(out_dir: str | Path, nproc_per_node: int = 2, timeout: float =
     return [" ".join(c) for c in cmds]
 
 
+@command
 def main(argv: list[str]) -> int:
-    try:
-        opts = parse_flags(argv, DEFAULTS, PROG)
-    except FlagError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    opts = parse_flags(argv, DEFAULTS, PROG)
     for line in run_two_nodes(opts["out_dir"], opts["nproc_per_node"], opts["timeout_s"]):
         print(line)
     for f in sorted(Path(opts["out_dir"]).glob("env_rank*.json")):
@@ -140,4 +137,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main())

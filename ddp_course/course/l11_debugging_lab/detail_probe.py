@@ -13,7 +13,6 @@ on every machine (``CPU_BY_DESIGN``, printed first).
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from pathlib import Path
@@ -21,30 +20,27 @@ from pathlib import Path
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ddp_course.cli import FlagError, parse_flags
+from ddp_course.cli import command, parse_flags
 from ddp_course.dist import log, setup
+from ddp_course.metrics import write_json
 
 STAGES = ("started", "process_group", "ddp_constructed", "backward_done")
 CPU_BY_DESIGN = ("the probe checks the debugging lab's own setting, gloo on the CPU, where its programs run "
                  "(they end in gloo timeouts)")
 
 
-def main(argv: list[str]) -> None:
-    try:
-        opts = parse_flags(argv, {"out_dir": "runs/detail_probe", "timeout_s": 10.0},
-                           "torchrun --standalone --nproc_per_node=2 -m ddp_course.course.l11_debugging_lab.detail_probe")
-    except FlagError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        raise SystemExit(2) from None
+@command
+def main(argv: list[str]) -> int:
+    opts = parse_flags(argv, {"out_dir": "runs/detail_probe", "timeout_s": 10.0},
+                       "torchrun --standalone --nproc_per_node=2 -m ddp_course.course.l11_debugging_lab.detail_probe")
     rank = int(os.environ.get("RANK", 0))
     path = Path(opts["out_dir"]) / f"probe_rank{rank}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
     state = {"rank": rank, "debug_level": os.environ.get("TORCH_DISTRIBUTED_DEBUG", "OFF"),
              "torch": torch.__version__, "stage": "started"}
 
     def reached(stage: str) -> None:
         state["stage"] = stage
-        path.write_text(json.dumps(state), encoding="utf-8")
+        write_json(path, state)  # atomic: a reader never sees half a file
 
     reached("started")
     with setup(device="cpu", timeout_s=opts["timeout_s"], threads=1,
@@ -56,7 +52,8 @@ def main(argv: list[str]) -> None:
         model(torch.randn(4, 8)).sum().backward()
         reached("backward_done")
         print(f"[rank {rank}] DDP works under TORCH_DISTRIBUTED_DEBUG={state['debug_level']}", flush=True)
+    return 0
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    sys.exit(main())

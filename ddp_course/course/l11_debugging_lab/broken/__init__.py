@@ -149,20 +149,16 @@ def records(run_or_dir) -> dict[int, dict[str, Any]]:
 
 
 def error_files(run_or_dir) -> list[dict[str, Any]]:
-    """torchrun's error files for a failed run (one per failed rank, written by ``@record``).
+    """torchrun's error files for a failed run (one per failed rank, written by ``@record``), by rank.
 
-    Each: the file's path, the rank, the error message, and the traceback that rank printed.
+    Each: the file's path, the rank, the error message, and the traceback that rank printed (read by
+    :func:`ddp_course.launch.error_files`, which puts the likely cause first instead).
     """
-    found = []
-    for path in sorted(_folder(run_or_dir).glob("torchrun_logs/**/error.json")):
-        data = json.loads(path.read_text(encoding="utf-8"))
-        msg = data.get("message", {})
-        if isinstance(msg, str):
-            msg = {"message": msg, "extraInfo": {}}
-        found.append({"path": str(path), "rank": int(path.parent.name) if path.parent.name.isdigit() else None,
-                      "message": msg.get("message", ""),
-                      "traceback": (msg.get("extraInfo") or {}).get("py_callstack", "")})
-    return sorted(found, key=lambda e: (e["rank"] is None, e["rank"]))
+    from ddp_course.launch import error_files as read_error_files
+
+    found = read_error_files(_folder(run_or_dir) / "torchrun_logs")
+    return [{k: e[k] for k in ("path", "rank", "message", "traceback")}
+            for e in sorted(found, key=lambda e: (e["rank"] is None, e["rank"] or 0))]
 
 
 _TORCH_TRACE = re.compile(r"^\[rank(\d+)\]:")  # torch prefixes every line of a worker's traceback like this

@@ -10,9 +10,7 @@ log it scrapes.
 
 from __future__ import annotations
 
-import json
 import os
-import sys
 import time
 import traceback
 from collections.abc import Iterator
@@ -22,7 +20,8 @@ from typing import Any
 
 import torch
 
-from ddp_course.cli import FlagError, parse_flags
+from ddp_course.cli import parse_flags
+from ddp_course.metrics import write_json
 
 VOCAB = 65  # the course's character vocabulary; the labs that need tokens use random ids or the corpus
 # Joining the process group waits for every rank to start; on a busy machine starting Python and torch
@@ -56,12 +55,9 @@ def cpu_setup(timeout_s: float, threads: int = 1) -> Iterator[Any]:
 
 
 def flags(argv: list[str], defaults: dict[str, Any], prog: str) -> dict[str, Any]:
-    """Parse ``--key=value`` strictly; a bad flag prints one paragraph and exits with status 2."""
-    try:
-        return parse_flags(argv, {"out_dir": "runs/broken", "timeout_s": INIT_TIMEOUT_S, **defaults}, prog)
-    except FlagError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        raise SystemExit(2) from None
+    """``parse_flags`` over the options every program has (``--out_dir``, ``--timeout_s``) and its own
+    ``defaults``; a bad flag raises ``FlagError``, which the program's ``@command`` turns into exit code 2."""
+    return parse_flags(argv, {"out_dir": "runs/broken", "timeout_s": INIT_TIMEOUT_S, **defaults}, prog)
 
 
 class Record:
@@ -93,9 +89,7 @@ class Record:
                          "traceback_tail": traceback.format_exc().strip().splitlines()[-3:]})
 
     def write(self) -> None:
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.data, indent=1, default=str), encoding="utf-8")
-        os.replace(tmp, self.path)
+        write_json(self.path, self.data)  # atomic: a rank killed mid-write leaves the last full record
 
 
 def short_group(timeout_s: float):

@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from ddp_course.cli import FlagError, command
 from ddp_course.course.l11_debugging_lab.broken._common import (
     INIT_TIMEOUT_S,
     Record,
@@ -61,10 +62,11 @@ def local_stats(rank: int, world: int, n_batches: int = 4) -> torch.Tensor:
 
 
 @record  # if this rank fails, torchrun's error file carries its traceback
+@command
 def main(argv: list[str]) -> None:
     opts = flags(argv, {"variant": "both", "timeout_s": 5.0}, PROG)
     if opts["variant"] not in ("both", "fixed", "broken"):
-        raise SystemExit("error: --variant must be both, fixed or broken")
+        raise FlagError(f"{PROG}: --variant must be both, fixed or broken")
     with cpu_setup(INIT_TIMEOUT_S) as info:  # by design: see _common.CPU_BY_DESIGN
         group = short_group(opts["timeout_s"])  # the collectives below give up after --timeout_s
         rec = Record(opts["out_dir"], info.rank)
@@ -100,4 +102,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    sys.exit(main())

@@ -23,12 +23,14 @@ import sys
 import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from ddp_course.cli import command
 from ddp_course.course.l11_debugging_lab.broken._common import Record, flags
 
 PROG = "python -m ddp_course.course.l11_debugging_lab.broken.device_global_rank (under torchrun)"
 
 
 @record
+@command
 def main(argv: list[str]) -> None:
     opts = flags(argv, {"gpus_per_node": 0}, PROG)
     rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
@@ -57,4 +59,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    sys.exit(main())

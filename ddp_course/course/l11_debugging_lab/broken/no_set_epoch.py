@@ -21,6 +21,7 @@ import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.utils.data import DataLoader, DistributedSampler
 
+from ddp_course.cli import command
 from ddp_course.course.l11_debugging_lab.broken._common import Record, cpu_setup, flags
 from ddp_course.dist import log
 
@@ -41,6 +42,7 @@ def epochs_seen(rank: int, world: int, n: int, batch: int, epochs: int, call_set
 
 
 @record
+@command
 def main(argv: list[str]) -> None:
     opts = flags(argv, {"epochs": 3, "n": 16, "batch": 4}, PROG)
     with cpu_setup(opts["timeout_s"]) as info:  # by design: see _common.CPU_BY_DESIGN
@@ -54,4 +56,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    sys.exit(main())

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from ddp_course.cli import command
 from ddp_course.course.l06_grad_accumulation.no_sync_lab import AllReduceCounter
 from ddp_course.course.l11_debugging_lab.broken._common import Record, cpu_setup, flags, tiny_model, token_batch
 from ddp_course.dist import log
@@ -58,6 +59,7 @@ def accumulate(model: DDP, micro: list, variant: str) -> None:
 
 
 @record
+@command
 def main(argv: list[str]) -> None:
     opts = flags(argv, {"k": 4, "steps": 2, "batch": 4}, PROG)
     with cpu_setup(opts["timeout_s"]) as info:  # by design: see _common.CPU_BY_DESIGN
@@ -86,4 +88,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    sys.exit(main())

@@ -27,6 +27,7 @@ import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from ddp_course.cli import command
 from ddp_course.course.l11_debugging_lab.broken._common import Record, cpu_setup, flags
 from ddp_course.data import prepare, train_sampler
 from ddp_course.dist import log
@@ -47,6 +48,7 @@ def batches_for(variant: str, n: int, batch: int, steps: int, rank: int, world: 
 
 
 @record
+@command
 def main(argv: list[str]) -> None:
     opts = flags(argv, {"steps": 4, "batch": 4, "seed": 1337, "corpus": "tinyshakespeare"}, PROG)
     with cpu_setup(opts["timeout_s"]) as info:  # by design: see _common.CPU_BY_DESIGN
@@ -75,4 +77,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    sys.exit(main())

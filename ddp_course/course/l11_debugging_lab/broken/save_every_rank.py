@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from ddp_course.cli import command
 from ddp_course.course.l11_debugging_lab.broken._common import Record, cpu_setup, flags, tiny_model, token_batch
 from ddp_course.dist import log
 
@@ -45,6 +46,7 @@ def save(model: DDP, path: Path, rank: int) -> dict:
 
 
 @record
+@command
 def main(argv: list[str]) -> None:
     opts = flags(argv, {"steps": 2, "n_embd": 256}, PROG)
     with cpu_setup(opts["timeout_s"]) as info:  # by design: see _common.CPU_BY_DESIGN
@@ -76,4 +78,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    sys.exit(main())

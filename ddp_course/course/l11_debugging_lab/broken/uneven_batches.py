@@ -33,6 +33,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 
+from ddp_course.cli import command
 from ddp_course.course.l11_debugging_lab.broken._common import (
     INIT_TIMEOUT_S,
     Record,
@@ -73,6 +74,7 @@ def epoch(model, loader, rec: Record, variant: str) -> int:
 
 
 @record
+@command
 def main(argv: list[str]) -> None:
     opts = flags(argv, {"n": 25, "batch": 4, "variant": "all", "timeout_s": 5.0}, PROG)
     variants = ("fixed", "join", "broken") if opts["variant"] == "all" else (opts["variant"],)
@@ -106,4 +108,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    sys.exit(main())

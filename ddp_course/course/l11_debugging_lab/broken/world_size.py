@@ -27,6 +27,7 @@ from datetime import timedelta
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from ddp_course.cli import FlagError, command
 from ddp_course.course.l11_debugging_lab.broken._common import Record, announce_cpu, flags
 
 PROG = "torchrun --standalone --nproc_per_node=2 -m ddp_course.course.l11_debugging_lab.broken.world_size"
@@ -34,10 +35,11 @@ WORLD_SIZE = 4  # "we train on a 4-GPU machine" -- THE BUG when the job is launc
 
 
 @record  # if this rank fails, torchrun's error file carries its traceback
+@command
 def main(argv: list[str]) -> None:
     opts = flags(argv, {"variant": "broken", "timeout_s": 5.0}, PROG)
     if opts["variant"] not in ("fixed", "broken"):
-        raise SystemExit("error: --variant must be fixed or broken")
+        raise FlagError(f"{PROG}: --variant must be fixed or broken")
     rank = int(os.environ["RANK"])
     announce_cpu(rank)
     rec = Record(opts["out_dir"], rank)
@@ -65,4 +67,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    sys.exit(main())
