@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ddp_course.cli import FlagError, parse_flags
+from ddp_course.cli import FlagError, number_list, parse_flags
 from ddp_course.paths import show
 
 PACKAGE_ROOT = Path(__file__).resolve().parents[1]  # the directory holding ddp_course/
@@ -164,20 +164,17 @@ def positive(opts: dict[str, Any], *keys: str, least: int = 1) -> None:
 def int_list(opts: dict[str, Any], key: str, example: str = "1,2,4") -> list[int]:
     """``opts[key]`` ("1,2,4") as a list of integers; raises :class:`OptionError`."""
     try:
-        return [int(v) for v in str(opts[key]).split(",") if v.strip()]
-    except ValueError:
-        raise OptionError(f"--{key}={opts[key]!r} must be comma-separated integers, e.g. --{key}={example}.") from None
+        return number_list(opts[key], key, int, example)
+    except FlagError as exc:
+        raise OptionError(str(exc)) from None
 
 
 def float_list(opts: dict[str, Any], key: str, example: str = "25,0.1,0.05") -> list[float]:
     """``opts[key]`` ("25,0.1") as a list of positive numbers; raises :class:`OptionError`."""
     try:
-        values = [float(v) for v in str(opts[key]).split(",") if v.strip()]
-    except ValueError:
-        values = []
-    if not values or min(values) <= 0:
-        raise OptionError(f"--{key}={opts[key]!r} must list positive numbers, comma-separated, e.g. --{key}={example}.")
-    return values
+        return number_list(opts[key], key, float, example)
+    except FlagError as exc:
+        raise OptionError(str(exc)) from None
 
 
 def choice(opts: dict[str, Any], key: str, choices: tuple[str, ...]) -> None:

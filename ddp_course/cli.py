@@ -25,8 +25,22 @@ class FlagError(ValueError):
     """A bad command-line option. The message says what the valid options are."""
 
 
-def parse_flags(argv: list[str], defaults: dict[str, Any], prog: str) -> dict[str, Any]:
-    """Return ``defaults`` updated from ``--key=value`` arguments, each converted to its default's type."""
+def usage(prog: str, doc: str | None, defaults: dict[str, Any], helps: dict[str, str] | None = None) -> str:
+    """The ``--help`` text: how to run ``prog``, its docstring, then each option with its default."""
+    helps = helps or {}
+    lines = [f"usage: {prog} [--key=value ...]", "", (doc or "").strip(), "", "options:"]
+    lines += [f"  {'--' + k + '=' + str(v):<28} {helps.get(k, '')}".rstrip() for k, v in defaults.items()]
+    return "\n".join(lines)
+
+
+def parse_flags(argv: list[str], defaults: dict[str, Any], prog: str, *, doc: str | None = None,
+                helps: dict[str, str] | None = None) -> dict[str, Any]:
+    """Return ``defaults`` updated from ``--key=value`` arguments, each converted to its default's type.
+
+    ``-h`` or ``--help`` prints :func:`usage` (``doc`` and the per-option ``helps``) and exits 0."""
+    if any(a in ("-h", "--help") for a in argv):
+        print(usage(prog, doc, defaults, helps), flush=True)
+        raise SystemExit(0)
     values = dict(defaults)
     valid = ", ".join(f"--{k}={v}" for k, v in defaults.items())
     for arg in argv:
@@ -56,6 +70,19 @@ def convert(value: str, typ: type) -> Any:
             raise ValueError(value)
         return value.lower() in _TRUE
     return typ(value)
+
+
+def number_list(text: Any, key: str, typ: type = float, example: str = "25,0.1,0.05") -> list:
+    """An option like ``--key=25,0.1,0.05`` as a list of ``typ`` (``int`` or ``float``); a float list
+    must be positive. Raises :class:`FlagError` that shows the form to write."""
+    what = "integers" if typ is int else "positive numbers"
+    try:
+        values = [typ(v) for v in str(text).split(",") if v.strip()]
+    except ValueError:
+        values = []
+    if not values or (typ is not int and min(values) <= 0):
+        raise FlagError(f"--{key}={text!r} must be comma-separated {what}, e.g. --{key}={example}.")
+    return values
 
 
 def close_keys(key: str, keys: Iterable[str], n: int = 2) -> list[str]:

@@ -56,8 +56,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.nn.utils import parameters_to_vector
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from ddp_course.cli import FlagError, command
-from ddp_course.course.options import parse_flags_or_help
+from ddp_course.cli import FlagError, command, parse_flags
 from ddp_course.data import TokenWindows, prepare, stream_offsets
 from ddp_course.dist import clean_exit, cpu_count
 from ddp_course.metrics import write_json
@@ -302,7 +301,7 @@ def check_options(opts: dict[str, Any]) -> dict[str, Any]:
 @record  # on failure, torchrun's error file carries this rank's traceback
 @command  # a bad option (FlagError): one line "error: ..." and exit code 2
 def main(argv: list[str]) -> None:
-    opts = check_options(parse_flags_or_help(argv, DEFAULTS, PROG, __doc__))
+    opts = check_options(parse_flags(argv, DEFAULTS, PROG, doc=__doc__))
 
     # 1. Who am I? torchrun sets these for every process it starts; without torchrun: one process.
     distributed = "RANK" in os.environ and "WORLD_SIZE" in os.environ

@@ -1,6 +1,5 @@
 """Instruments shared by the lesson-05 labs (``ddp_internals``, ``ddp_profile``) and ``benchmarks/buckets``.
 
-- :func:`float_list`: a ``--key=25,0.1,0.05`` option read as positive numbers (else a ``FlagError``).
 - :class:`BucketRecorder`: a DDP communication hook that records every bucket DDP hands it (index,
   parameter names, size) before passing it on to the real hook -- so it counts all-reduces per step.
 - :class:`CollectiveCounter`: sees every collective (``c10d`` operator) issued inside its ``with``
@@ -22,23 +21,6 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
-
-from ddp_course.cli import (
-    FlagError,
-    parse_flags,  # noqa: F401  (only for bench_buckets until it parses through the bench harness)
-)
-
-
-def float_list(text: str, name: str) -> list[float]:
-    """``"25,0.1,0.05"`` -> ``[25.0, 0.1, 0.05]`` (all positive), or a clear error."""
-    try:
-        values = [float(v) for v in str(text).split(",") if v.strip()]
-    except ValueError:
-        raise FlagError(f"--{name}={text!r} must be comma-separated numbers, e.g. --{name}=25,0.1,0.05.") from None
-    if not values or min(values) <= 0:
-        raise FlagError(f"--{name}={text!r} must list positive numbers, e.g. --{name}=25,0.1,0.05.")
-    return values
-
 
 # --------------------------------------------------------------------------------------------------
 # what DDP does, observed

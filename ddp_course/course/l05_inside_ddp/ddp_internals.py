@@ -45,11 +45,10 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ddp_course.cli import FlagError, command, parse_flags
+from ddp_course.cli import FlagError, command, number_list, parse_flags
 from ddp_course.course.l05_inside_ddp.ddp_common import (
     BucketRecorder,
     CollectiveCounter,
-    float_list,
     record_grad_ready,
     time_steps,
 )
@@ -165,7 +164,7 @@ def part_buckets(opts, info: DistInfo, data) -> dict[str, Any]:
     """Bucket layout per cap (initial and rebuilt) and all-reduces per step, counted by a comm hook."""
     x, y = data["batch"]
     out = {"caps": []}
-    for cap in float_list(opts["bucket_caps"], "bucket_caps"):
+    for cap in number_list(opts["bucket_caps"], "bucket_caps"):
         model = _gpt(opts, data["vocab"])
         ddp = DDP(model, **ddp_strategy.ddp_kwargs(_cfg(bucket_cap_mb=cap)))
         events: list[dict[str, Any]] = []
@@ -384,7 +383,7 @@ def part_hooks(opts, info: DistInfo, data) -> dict[str, Any]:
     from ddp_course.train import build_optimizer, train_step
 
     x, y = data["batch"]
-    cap = min(float_list(opts["bucket_caps"], "bucket_caps"))
+    cap = min(number_list(opts["bucket_caps"], "bucket_caps"))
     out: dict[str, Any] = {"bucket_cap_mb": cap, "hooks": {}}
 
     # PyTorch's own bf16 hook on this backend
@@ -523,7 +522,7 @@ def main(argv: list[str]) -> int:
     bad = [p for p in parts if p not in PARTS]
     if bad or not parts:
         raise FlagError(f"{PROG}: --parts={opts['parts']!r}: choose from {', '.join(PARTS)} (comma-separated).")
-    float_list(opts["bucket_caps"], "bucket_caps")
+    number_list(opts["bucket_caps"], "bucket_caps")
     if opts["pg_timeout_s"] <= 0 or opts["join_batches"] < 1 or opts["hook_steps"] < 1:
         raise FlagError(f"{PROG}: --pg_timeout_s must be positive, --join_batches and --hook_steps at least 1.")
     with setup(device="cpu", timeout_s=60.0, because=CPU_BY_DESIGN) as info:  # by design: see CPU_BY_DESIGN

@@ -41,10 +41,9 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from ddp_course.cli import FlagError, command, parse_flags
+from ddp_course.cli import FlagError, command, number_list, parse_flags
 from ddp_course.course.l05_inside_ddp.ddp_common import (
     CollectiveCounter,
-    float_list,
     overlap_stats,
     read_trace,
     time_steps,
@@ -167,7 +166,7 @@ def profile_mode(opts: dict[str, Any], rank: int, device: torch.device) -> dict[
 
 
 def sweep_mode(opts: dict[str, Any], rank: int, device: torch.device) -> dict[str, Any]:
-    caps = float_list(opts["bucket_caps"], "bucket_caps")
+    caps = number_list(opts["bucket_caps"], "bucket_caps")
     batch = _batch(opts, rank, device)
     trainers = {cap: Trainer("overlap", opts, batch, device, bucket_cap_mb=cap) for cap in caps}
     counts = {}
@@ -205,7 +204,7 @@ def main(argv: list[str]) -> int:
         raise FlagError(f"{PROG}: --warmup must be at least 2: DDP rebuilds its buckets after the first step.")
     if opts["bucket_cap_mb"] <= 0:
         raise FlagError(f"{PROG}: --bucket_cap_mb must be positive (got {opts['bucket_cap_mb']}).")
-    float_list(opts["bucket_caps"], "bucket_caps")
+    number_list(opts["bucket_caps"], "bucket_caps")
     require_device(opts["device"])
     with setup(device=opts["device"], timeout_s=120.0, threads=opts["threads"]) as info:
         if info.world_size < 2:

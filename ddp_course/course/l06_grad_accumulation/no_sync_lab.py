@@ -38,8 +38,8 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from ddp_course import parallel
-from ddp_course.cli import FlagError, command
-from ddp_course.course.options import parse_flags_or_help, require_device
+from ddp_course.cli import FlagError, command, parse_flags
+from ddp_course.course.options import require_device
 from ddp_course.dist import log, setup
 from ddp_course.metrics import write_json
 from ddp_course.model import GPTConfig, MiniGPT
@@ -241,18 +241,6 @@ def accumulate(ddp, batches: Sequence[tuple[torch.Tensor, torch.Tensor]], varian
 
 # --------------------------------------------------------------------------------------------------
 
-def parse_args(argv: list[str], defaults: dict[str, Any] = DEFAULTS, helps: dict[str, str] = HELP,
-               prog: str = PROG, doc: str | None = None) -> dict[str, Any]:
-    """``--key=value`` over ``defaults`` (``--help`` lists them); a bad option is ``SystemExit("error: ...")``.
-
-    Kept for the benchmarks that still call it; the lab itself parses in :func:`main`.
-    """
-    try:
-        return parse_flags_or_help(argv, defaults, prog, __doc__ if doc is None else doc, helps)
-    except FlagError as exc:
-        raise SystemExit(f"error: {exc}") from None
-
-
 def check_options(opts: dict[str, Any]) -> list[str]:
     """The variants to run (``--variants``); a ``FlagError`` for an unknown one or a size below 1."""
     spec = opts["variants"]
@@ -307,7 +295,7 @@ def measure_step(ddp, counter: AllReduceCounter, batches, ref: dict[str, torch.T
 
 @command
 def main(argv: list[str]) -> int:
-    opts = parse_flags_or_help(argv, DEFAULTS, PROG, __doc__, HELP)
+    opts = parse_flags(argv, DEFAULTS, PROG, doc=__doc__, helps=HELP)
     variants = check_options(opts)
     shape = {k: opts[k] for k in ("block_size", "n_layer", "n_head", "n_embd")}
     data = {"micro_batch_size": opts["micro_batch_size"], "block_size": opts["block_size"], "seed": opts["seed"]}

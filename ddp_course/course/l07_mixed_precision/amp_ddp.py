@@ -33,10 +33,10 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from ddp_course import parallel
-from ddp_course.cli import FlagError, command
+from ddp_course.cli import FlagError, command, parse_flags
 from ddp_course.config import TrainConfig
 from ddp_course.course.l07_mixed_precision.amp import gradient_spike
-from ddp_course.course.options import parse_flags_or_help, require_device
+from ddp_course.course.options import require_device
 from ddp_course.data import prepare, train_batches
 from ddp_course.dist import log, seed_everything, setup
 from ddp_course.metrics import write_json
@@ -128,7 +128,7 @@ def run_precision(precision: str, opts: dict[str, Any], info, data) -> dict[str,
 
 @command
 def main(argv: list[str]) -> int:
-    opts = parse_flags_or_help(argv, DEFAULTS, PROG, __doc__)
+    opts = parse_flags(argv, DEFAULTS, PROG, doc=__doc__)
     precisions = [p.strip() for p in opts["precisions"].split(",") if p.strip()]
     bad = [p for p in precisions if p not in ("fp32", "bf16", "fp16")]
     if bad or not precisions:

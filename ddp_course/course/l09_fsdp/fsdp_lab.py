@@ -48,10 +48,9 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from ddp_course import checkpoint, parallel
-from ddp_course.cli import FlagError, command
+from ddp_course.cli import FlagError, command, parse_flags
 from ddp_course.config import ConfigError, TrainConfig
 from ddp_course.course.l09_fsdp import memory
-from ddp_course.course.options import parse_flags_or_help
 from ddp_course.data import prepare, train_batches
 from ddp_course.dist import all_reduce_mean, log, seed_everything, setup
 from ddp_course.metrics import write_json
@@ -312,7 +311,7 @@ def fsdp1_hybrid_bug(opts: dict[str, Any], info, data) -> dict[str, Any]:
 
 @command
 def main(argv: list[str]) -> int:
-    opts = parse_flags_or_help(argv, DEFAULTS, PROG, __doc__)
+    opts = parse_flags(argv, DEFAULTS, PROG, doc=__doc__)
     names = [v for v in opts["variants"].split(",") if v]
     for n in names:
         if n not in VARIANTS:

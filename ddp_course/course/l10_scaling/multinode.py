@@ -29,8 +29,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-from ddp_course.cli import FlagError, command
-from ddp_course.course.options import parse_flags_or_help
+from ddp_course.cli import FlagError, command, parse_flags
 
 PROG = "python -m ddp_course multinode"
 
@@ -275,7 +274,7 @@ def spec_from_argv(argv: list[str]) -> JobSpec:
     else:
         train_args = ["--strategy=ddp"]
     try:
-        o = parse_flags_or_help(argv, DEFAULTS, PROG, __doc__)
+        o = parse_flags(argv, DEFAULTS, PROG, doc=__doc__)
     except FlagError as exc:
         raise MultinodeError(str(exc)) from None
     if o["nnodes"] < 1 or o["nproc"] < 1:
