@@ -14,11 +14,10 @@ import time
 
 import pytest
 import torch
+from harness import TINY_MODEL
 
 from ddp_course import bench
 from ddp_course.course.l01_minigpt import bench_overhead
-
-TINY_MODEL = {"n_layer": 1, "n_head": 2, "n_embd": 32, "block_size": 32}
 
 
 @pytest.fixture

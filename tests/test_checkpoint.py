@@ -10,12 +10,11 @@ import os
 import pickle
 import random
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, TINY
+from harness import TINY, start_python_module
 
 from ddp_course import checkpoint
 from ddp_course.checkpoint import CheckpointError
@@ -170,11 +169,8 @@ def test_data_position_carries_over_to_another_world_size(saved_world, saved_mic
 def killed(tmp_path_factory) -> dict[str, tuple[Path, int]]:
     """The kill lab, once per format, as two plain processes started together."""
     root = tmp_path_factory.mktemp("kill")
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env.update(OMP_NUM_THREADS="1")
-    procs = {fmt: subprocess.Popen([sys.executable, "-m", "ddp_course.course.l08_checkpointing.ckpt_kill", f"--format={fmt}",
-                                    f"--out_dir={root / fmt}"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                                   stderr=subprocess.STDOUT, text=True)
+    procs = {fmt: start_python_module("ddp_course.course.l08_checkpointing.ckpt_kill",
+                                      [f"--format={fmt}", f"--out_dir={root / fmt}"])
              for fmt in checkpoint.FORMATS}
     out = {}
     for fmt, p in procs.items():

@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 
 import pytest
-from conftest import TINY, torchrun
+from harness import TINY, torchrun
 
 from ddp_course import bench
 

@@ -8,10 +8,10 @@ import json
 from pathlib import Path
 
 import pytest
+from harness import ROOT
 
 from ddp_course.launch import run
 
-ROOT = Path(__file__).resolve().parents[1]
 RING_SOLUTION = ROOT / "solutions" / "exercises" / "02_ring_allreduce.py"
 
 

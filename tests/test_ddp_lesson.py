@@ -19,7 +19,7 @@ from pathlib import Path
 import notebook_runs
 import pytest
 import torch
-from conftest import ROOT
+from harness import ROOT
 
 from ddp_course.config import ConfigError, TrainConfig
 from ddp_course.course.l04_ddp.grader import PARAM_ATOL

@@ -11,15 +11,13 @@ collective fails the test instead of hanging the suite.
 
 from __future__ import annotations
 
-import socket
-import time
 from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from harness import free_port, spawn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -35,17 +33,10 @@ WORLD = 2
 SEED = 1234
 GPT = GPTConfig(vocab_size=65, block_size=16, n_layer=2, n_head=2, n_embd=32)
 PG_TIMEOUT_S = 30  # a collective that waits longer than this is a bug, not a slow machine
-SPAWN_DEADLINE_S = 90
 CPU = torch.device("cpu")
 
 
 # --- helpers shared by the test process and the workers ----------------------------------------------
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _init(rank: int, port: int) -> None:
     torch.set_num_threads(1)
@@ -74,21 +65,6 @@ def _rank_rows(x: torch.Tensor, rank: int) -> slice:
 def _train_cfg() -> TrainConfig:
     # a large lr so that several steps move the weights far enough for any mismatch to show
     return TrainConfig(strategy="ddp", lr=1e-2, weight_decay=0.1, grad_clip=1.0)
-
-
-def _spawn(fn, args: tuple) -> None:
-    """mp.spawn with a deadline: on overrun, kill the workers and fail with a message."""
-    ctx = mp.spawn(fn, args=args, nprocs=WORLD, join=False)
-    deadline = time.monotonic() + SPAWN_DEADLINE_S
-    try:
-        while not ctx.join(timeout=0.5):
-            if time.monotonic() > deadline:
-                pytest.fail(f"{fn.__name__} did not finish within {SPAWN_DEADLINE_S}s")
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
-                p.join(5)
 
 
 # --- (a) a DDP step equals the single-process step on the concatenated batch --------------------------
@@ -125,7 +101,7 @@ def _ddp_steps_worker(rank: int, port: int, out: str) -> None:
 
 @pytest.mark.timeout(150)
 def test_ddp_steps_equal_single_process_steps_on_the_concatenated_batch(tmp_path):
-    _spawn(_ddp_steps_worker, (_free_port(), str(tmp_path)))
+    spawn(_ddp_steps_worker, (free_port(), str(tmp_path)), WORLD)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
 
     cfg = _train_cfg().replace(strategy="single")
@@ -230,7 +206,7 @@ def _accum_worker(rank: int, port: int, out: str) -> None:
 
 @pytest.mark.timeout(150)
 def test_no_sync_accumulation_gradients_and_all_reduce_counts(tmp_path):
-    _spawn(_accum_worker, (_free_port(), str(tmp_path)))
+    spawn(_accum_worker, (free_port(), str(tmp_path)), WORLD)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
 
     model = _model()

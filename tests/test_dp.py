@@ -8,12 +8,11 @@ happens *without* them skip on a machine that has them.
 from __future__ import annotations
 
 import json
-import sys
 
 import pytest
 import torch
 import torch.nn as nn
-from conftest import ROOT, TINY
+from harness import TINY, python_module
 
 from ddp_course.config import TrainConfig, available_strategies
 from ddp_course.course.l03_data_parallel import dp_mechanism as dpm
@@ -218,11 +217,8 @@ def test_benchmark_skips_with_a_reason_and_exits_0(tmp_path, capsys):
 
 
 def test_gpu_memory_lab_writes_its_file(tmp_path):
-    import subprocess
-
     flags = [f"--{k}={v}" for k, v in {**TINY, "max_steps": 2, "out_dir": tmp_path, "device": "cpu"}.items()]
-    proc = subprocess.run([sys.executable, "-m", "ddp_course.course.l03_data_parallel.train_gpu_memory", *flags], cwd=ROOT,
-                          capture_output=True, text=True, timeout=90)
+    proc = python_module("ddp_course.course.l03_data_parallel.train_gpu_memory", flags, timeout=90, check=False)
     assert proc.returncode == 0, proc.stderr
     mem = json.loads((tmp_path / "gpu_memory_rank0.json").read_text())
     assert mem["strategy"] == "single" and mem["gpus"] == {}  # no GPU used on the CPU

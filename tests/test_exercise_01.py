@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from conftest import ROOT
+from harness import ROOT
 
 from ddp_course.check import grade
 

@@ -10,11 +10,11 @@ from __future__ import annotations
 import json
 import math
 import shutil
-from pathlib import Path
 
 import notebook_runs
 import pytest
 import torch
+from harness import ROOT
 
 from ddp_course import checkpoint
 from ddp_course.config import ConfigError, TrainConfig
@@ -22,7 +22,6 @@ from ddp_course.course.l09_fsdp import memory
 from ddp_course.dist import DistInfo
 from ddp_course.launch import run
 
-ROOT = Path(__file__).resolve().parents[1]
 # Lesson 09's two lab jobs, option for option: under `make test` the tests check the notebook's runs.
 LAB = {"n_layer": 2, "n_head": 4, "n_embd": 128, "block_size": 32, "micro_batch_size": 4, "device": "cpu"}
 LAB2 = {"steps": 6, "variants": "ddp,fsdp,fsdp_noreshard,fsdp_bf16,fsdp_ac,fsdp1,fsdp1_noreshard", "trace": True,

@@ -15,12 +15,10 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
-from conftest import ROOT, TINY, torchrun
+from harness import TINY, python_module, torchrun
 
 from ddp_course import dist as ddp_dist
 from ddp_course.config import to_cli
@@ -193,9 +191,8 @@ def test_dp_vs_ddp_as_far_as_one_gpu_allows(tmp_path):
     assert [list(r["gpus"]) for r in records] == [["0"], ["0"]]
     assert all(r["gpus"]["0"]["peak_allocated_bytes"] > 0 for r in records)
     # The DP half needs two GPUs: with one, the benchmark says so and records the skip.
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": _one_gpu_shared()["CUDA_VISIBLE_DEVICES"]}
-    subprocess.run([sys.executable, "-m", "ddp_course.course.l03_data_parallel.bench_dp_vs_ddp", f"--out={tmp_path}"], cwd=ROOT,
-                   env=env, check=True, timeout=120, capture_output=True)
+    python_module("ddp_course.course.l03_data_parallel.bench_dp_vs_ddp", [f"--out={tmp_path}"],
+                  env={"CUDA_VISIBLE_DEVICES": _one_gpu_shared()["CUDA_VISIBLE_DEVICES"]})
     res = json.loads((tmp_path / "dp_vs_ddp.json").read_text())
     assert res["skipped"] and "one CUDA GPU" in res["reason"]
 
@@ -241,9 +238,8 @@ def test_kill_lab_on_the_gpu_leaves_a_checkpoint_that_loads_on_the_cpu(tmp_path)
     from ddp_course.model import GPTConfig, MiniGPT
     from ddp_course.train import build_optimizer
 
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
-    proc = subprocess.run([sys.executable, "-m", "ddp_course.course.l08_checkpointing.ckpt_kill", "--device=cuda", f"--out_dir={tmp_path}"],
-                          cwd=ROOT, env=env, timeout=120, capture_output=True, text=True)
+    proc = python_module("ddp_course.course.l08_checkpointing.ckpt_kill", ["--device=cuda", f"--out_dir={tmp_path}"],
+                         check=False)
     assert proc.returncode == -9, proc.stdout + proc.stderr
     report = json.loads((tmp_path / "ckpt_kill.json").read_text())
     model = MiniGPT(GPTConfig(**SHAPE))

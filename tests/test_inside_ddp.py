@@ -14,8 +14,6 @@
 from __future__ import annotations
 
 import json
-import socket
-import time
 from datetime import timedelta
 from pathlib import Path
 from types import SimpleNamespace
@@ -23,8 +21,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from conftest import torchrun
+from harness import free_port, spawn, torchrun
 
 from ddp_course.cli import FlagError, parse_flags
 from ddp_course.course.l05_inside_ddp import ddp_common
@@ -35,7 +32,6 @@ from ddp_course.parallel import ddp as ddp_strategy
 WORLD = 2
 GPT = GPTConfig(vocab_size=65, block_size=16, n_layer=2, n_head=2, n_embd=32)
 PG_TIMEOUT_S = 30  # a collective waiting longer than this is a bug, not a slow machine
-SPAWN_DEADLINE_S = 90
 BUCKET_MB = 0.01  # ~10 kB buckets: the ~110 kB of gradients form several buckets
 
 
@@ -68,12 +64,6 @@ def test_ring_bytes_and_flags():
 
 
 # --- communication hooks under a real 2-rank process group --------------------------------------------
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _hooks_worker(rank: int, port: int, out: str) -> None:
     torch.set_num_threads(1)
@@ -112,24 +102,10 @@ def _hooks_worker(rank: int, port: int, out: str) -> None:
         dist.destroy_process_group()
 
 
-def _spawn(fn, args: tuple) -> None:
-    ctx = mp.spawn(fn, args=args, nprocs=WORLD, join=False)
-    deadline = time.monotonic() + SPAWN_DEADLINE_S
-    try:
-        while not ctx.join(timeout=0.5):
-            if time.monotonic() > deadline:
-                pytest.fail(f"{fn.__name__} did not finish within {SPAWN_DEADLINE_S}s")
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
-                p.join(5)
-
-
 @pytest.fixture(scope="module")
 def hook_results(tmp_path_factory):
     out = tmp_path_factory.mktemp("hooks")
-    _spawn(_hooks_worker, (_free_port(), str(out)))
+    spawn(_hooks_worker, (free_port(), str(out)), WORLD)
     return [torch.load(out / f"rank{r}.pt") for r in range(WORLD)]
 
 

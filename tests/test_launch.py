@@ -13,7 +13,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, TINY
+from harness import ROOT, TINY, python_module
 
 from ddp_course.config import ConfigError
 from ddp_course.launch import LaunchError, LaunchTimeout, run
@@ -141,9 +141,8 @@ def test_run_returns_metrics_and_rerun_starts_clean(tmp_path):
 
 
 def test_cli_run_reports_a_crash(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "ddp_course", "run", "--nproc=2", "--strategy=ddp", "--max_steps=20",
-                           "--fail_at_step=2", f"--out_dir={tmp_path / 'cli'}", "--n_layer=1", "--n_embd=32",
-                           "--block_size=32", "--micro_batch_size=4"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    proc = python_module("ddp_course", ["run", "--nproc=2", "--strategy=ddp", "--max_steps=20", "--fail_at_step=2",
+                                        f"--out_dir={tmp_path / 'cli'}", "--n_layer=1", "--n_embd=32",
+                                        "--block_size=32", "--micro_batch_size=4"], timeout=120, check=False)
     assert proc.returncode == 1
     assert "injected failure on rank 0" in proc.stderr

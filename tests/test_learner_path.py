@@ -35,10 +35,10 @@ from pathlib import Path
 
 import nbformat
 import pytest
+from harness import ROOT
 
 from ddp_course.check import NOT_COMPLETE, STUB, is_stub
 
-ROOT = Path(__file__).resolve().parents[1]
 LESSONS = ROOT / "lessons"
 GRADING_RE = re.compile(r"^assert verdict\.ok\b", re.M)
 # Lessons whose exercises are answers about jobs that run the same whether or not the answers are

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import nbformat
 import pytest
+from harness import ROOT
 from nbformat import v4
 
-ROOT = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("make_lessons", ROOT / "tools" / "make_lessons.py")
 ml = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(ml)

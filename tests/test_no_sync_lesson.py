@@ -12,10 +12,10 @@ import time
 from pathlib import Path
 
 import pytest
+from harness import ROOT
 
 from ddp_course.launch import run
 
-ROOT = Path(__file__).resolve().parents[1]
 SOLUTION = ROOT / "solutions" / "exercises" / "06_no_sync.py"
 SOLUTION_RE = re.compile(r"    # BEGIN SOLUTION.*?# END SOLUTION\n", re.S)
 

@@ -8,10 +8,10 @@ import re
 from pathlib import Path
 
 import pytest
+from harness import ROOT
 
 from ddp_course.paths import REPO, shorten, show
 
-ROOT = Path(__file__).resolve().parents[1]
 MACHINE_PATH = re.compile(r"(?<![\w.~$-])/(home|root|work|tmp|Users)/[^\s'\"]*")
 # Notebooks whose committed outputs predate relative paths: re-execute each, then delete it here (the
 # test fails while a notebook is listed and already clean, so the list cannot go stale).

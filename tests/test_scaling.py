@@ -12,15 +12,11 @@ from __future__ import annotations
 import json
 import math
 import shlex
-import subprocess
-import sys
 
 import pytest
-from conftest import ROOT, TINY
+from harness import TINY, TINY_MODEL, python_module
 
 from ddp_course.course.l10_scaling import bench_dataloader, bench_scaling, multinode
-
-TINY_MODEL = {k: TINY[k] for k in ("n_layer", "n_head", "n_embd", "block_size")}
 
 
 def test_scaling_bench_one_and_two_processes(tmp_path):
@@ -89,9 +85,8 @@ def test_generated_commands_parse(nnodes, nproc):
 
 
 def test_multinode_command_output_is_valid_torchrun():
-    proc = subprocess.run([sys.executable, "-m", "ddp_course", "multinode", "--nnodes=2", "--nproc=8",
-                           "--master_addr=10.0.0.1", "--nccl_debug=INFO", "--", "--strategy=ddp"],
-                          capture_output=True, text=True, timeout=60, cwd=ROOT)
+    proc = python_module("ddp_course", ["multinode", "--nnodes=2", "--nproc=8", "--master_addr=10.0.0.1",
+                                        "--nccl_debug=INFO", "--", "--strategy=ddp"], timeout=60, check=False)
     assert proc.returncode == 0, proc.stderr
     lines = [ln.split("  ", 1)[-1] for ln in proc.stdout.splitlines() if "torchrun --nnodes" in ln
              and not ln.startswith("srun")]

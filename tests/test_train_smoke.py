@@ -5,36 +5,23 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, TINY, torchrun
+from harness import TINY, python_module, torchrun
 
 from ddp_course.config import TrainConfig, to_cli
 from ddp_course.metrics import read_jsonl
 from ddp_course.train import lr_at
 
 SUMMARY_KEYS = ("final_loss", "final_val_loss", "total_tokens", "wall_time_s", "tokens_per_s", "peak_memory_bytes")
-TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                 "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID")
 
 
 def run_train(args: list[str], timeout: float = 120, check: bool = True) -> subprocess.CompletedProcess:
     """``python -m ddp_course.train args`` as one process (no torchrun), with a timeout."""
-    cmd = [sys.executable, "-m", "ddp_course.train", *args]
-    env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARS}
-    env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
-    except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"{' '.join(cmd)} did not finish in {timeout}s\n{exc.stdout}\n{exc.stderr}")
-    if check and proc.returncode != 0:
-        pytest.fail(f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}")
-    return proc
+    return python_module("ddp_course.train", args, timeout=timeout, check=check)
 
 
 def load_run(out_dir: Path) -> tuple[list[dict], list[dict], dict, dict]:

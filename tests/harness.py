@@ -1,0 +1,131 @@
+"""The test harness: the constants tests share, and THE ways a test starts processes.
+
+A test starts a process one of four ways, each with a deadline, so that no test can hang the suite:
+
+- ``torchrun(module, nproc, args)``: a job under ``torchrun --standalone``;
+- ``python_module(module, args)``: one ``python -m module`` child, run to its end;
+- ``start_python_module(module, args)``: the same child, left running (for tests that start
+  several at once or act on a running one);
+- ``spawn(fn, args, world)``: ``torch.multiprocessing.spawn`` of a module-level worker, with
+  ``free_port()`` for its rendezvous.
+
+Children run in the repository root with the course's environment (``course_env``). On failure or
+timeout the test fails with the command and everything it printed, which is usually the only clue.
+
+Tests import this module by name (``from harness import ...``): pytest puts ``tests/`` on
+``sys.path`` because ``tests/conftest.py`` lives there. It imports nothing from the package, so a
+spawned worker that re-imports a test module pays nothing for it.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import NoReturn
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED_DATA = ROOT.parent / "shared" / "data"  # the corpus on development and CI machines (no network)
+
+# A model small enough that a run takes a second or two on a CPU (the `tiny` fixture returns a copy).
+TINY = {"n_layer": 1, "n_head": 2, "n_embd": 32, "block_size": 32, "micro_batch_size": 4,
+        "eval_batches": 2, "log_interval": 5, "eval_interval": 0}
+TINY_MODEL = {k: TINY[k] for k in ("n_layer", "n_head", "n_embd", "block_size")}  # its shape alone
+
+# Set by torchrun in its workers; a child that inherited them would think it is a rank of some job.
+TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                 "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID")
+SPAWN_DEADLINE_S = 90.0
+
+
+def course_env(env: dict[str, str] | None = None) -> dict[str, str]:
+    """This process's environment for a child: no torchrun variables, unbuffered output (a killed
+    child still shows what it printed), one OpenMP thread (spinning threads of one process slow
+    the other ranks on a small machine), then ``env`` on top."""
+    base = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARS}
+    return {**base, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
+
+
+def _text(stream: str | bytes | None) -> str:
+    """A captured stream as text (TimeoutExpired carries bytes even when the run asked for text)."""
+    return stream.decode(errors="replace") if isinstance(stream, bytes) else (stream or "")
+
+
+def _fail(cmd: Sequence[str], what: str, stdout: str, stderr: str) -> NoReturn:
+    pytest.fail(f"{shlex.join(cmd)} {what}\n--- stdout\n{stdout}\n--- stderr\n{stderr}")
+
+
+def run_command(cmd: Sequence[str], timeout: float, env: dict[str, str] | None = None,
+                check: bool = True) -> subprocess.CompletedProcess:
+    """Run ``cmd`` in the repository root with ``course_env(env)`` and return its captured output.
+
+    A run past ``timeout`` seconds fails the test; so does a non-zero exit when ``check``.
+    """
+    try:
+        proc = subprocess.run(list(cmd), capture_output=True, text=True, timeout=timeout, env=course_env(env),
+                              cwd=ROOT)
+    except subprocess.TimeoutExpired as exc:
+        _fail(cmd, f"did not finish in {timeout}s", _text(exc.stdout), _text(exc.stderr))
+    if check and proc.returncode != 0:
+        _fail(cmd, f"exited {proc.returncode}", proc.stdout, proc.stderr)
+    return proc
+
+
+def torchrun(module: str, nproc: int, args: Sequence[str], timeout: float = 180, env: dict[str, str] | None = None,
+             check: bool = True) -> subprocess.CompletedProcess:
+    """Run ``torchrun --standalone --nproc_per_node=N -m module args`` and return its output."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           "-m", module, *args]
+    return run_command(cmd, timeout, env, check)
+
+
+def python_module(module: str, args: Sequence[str] = (), timeout: float = 120, env: dict[str, str] | None = None,
+                  check: bool = True) -> subprocess.CompletedProcess:
+    """Run ``python -m module args`` as one plain process (no torchrun) and return its output."""
+    return run_command([sys.executable, "-m", module, *args], timeout, env, check)
+
+
+def start_python_module(module: str, args: Sequence[str] = (), env: dict[str, str] | None = None) -> subprocess.Popen:
+    """Start ``python -m module args`` like ``python_module`` and return at once.
+
+    Its stderr goes into its stdout (one pipe to read). The caller owns the process: it must wait
+    with a timeout (``communicate(timeout=...)``) and kill it on overrun.
+    """
+    return subprocess.Popen([sys.executable, "-m", module, *args], cwd=ROOT, env=course_env(env),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (for a process group's rendezvous)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn(fn: Callable[..., None], args: tuple, world: int, deadline_s: float = SPAWN_DEADLINE_S) -> None:
+    """``torch.multiprocessing.spawn(fn, args, nprocs=world)`` with a deadline.
+
+    ``fn(rank, *args)`` must be a module-level function (spawn pickles it by name). A worker that
+    raises makes this raise with the worker's traceback; on overrun the workers are killed and the
+    test fails.
+    """
+    import torch.multiprocessing as mp  # here, not at the top: most tests never spawn
+
+    ctx = mp.spawn(fn, args=args, nprocs=world, join=False)
+    deadline = time.monotonic() + deadline_s
+    try:
+        while not ctx.join(timeout=0.5):
+            if time.monotonic() > deadline:
+                pytest.fail(f"{fn.__name__} did not finish within {deadline_s:g}s")
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+                p.join(5)

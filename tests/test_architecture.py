@@ -1,0 +1,162 @@
+"""The core never depends on lesson material, and nothing new lands beside the core.
+
+The core (``ddp_course/{cli,config,data,model,dist,train,checkpoint,metrics,launch,paths}.py`` and
+``ddp_course/parallel/``) is what the lessons build on; lesson material (``ddp_course.course`` and
+everything under it) builds on the core. An import the other way round would make every training
+run load lesson code, and tie the core's behaviour to a lesson's. Checked three ways:
+
+- statically: no import in a core module (or the package's ``__init__``, which every import of a
+  core module runs) names lesson material -- at any depth (inside functions too), absolute or
+  relative, or through ``importlib.import_module``;
+- dynamically: a fresh interpreter that imports every core module has loaded no lesson module
+  (this also catches what the static check cannot see, such as an import made by a core module's
+  dependency);
+- the package's top level holds only the expected modules, so a new lesson file cannot sit beside
+  the core.
+
+A new core module goes into ``CORE`` below; new lesson material goes under ``ddp_course/course/``.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from harness import ROOT, run_command
+
+PACKAGE = ROOT / "ddp_course"
+LESSONS = "ddp_course.course"
+CORE = ("cli", "config", "data", "model", "dist", "train", "checkpoint", "metrics", "launch", "paths")
+CORE_PACKAGES = ("parallel",)
+ENTRY_POINTS = ("__init__", "__main__", "bench", "check", "doctor")  # the command line, not the core
+TOP_LEVEL = {*(f"{m}.py" for m in (*CORE, *ENTRY_POINTS)), *CORE_PACKAGES, "course"}
+
+
+def module_name(path: Path) -> str:
+    """The dotted name of a file of the package: ddp_course/parallel/ddp.py -> ddp_course.parallel.ddp."""
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def core_files() -> list[Path]:
+    """Every file of the core, and the package's __init__ (run by any import of a core module)."""
+    files = [PACKAGE / "__init__.py", *(PACKAGE / f"{m}.py" for m in CORE)]
+    for pkg in CORE_PACKAGES:
+        files += sorted((PACKAGE / pkg).rglob("*.py"))
+    return files
+
+
+def is_lesson(name: str) -> bool:
+    return name == LESSONS or name.startswith(LESSONS + ".")
+
+
+def _absolute(node: ast.ImportFrom, path: Path) -> str:
+    """The module a ``from X import ...`` reads, with a relative X resolved against ``path``'s package."""
+    if not node.level:
+        return node.module or ""
+    package = module_name(path).split(".")
+    if path.name != "__init__.py":
+        package = package[:-1]
+    base = package[:len(package) - (node.level - 1)]
+    return ".".join([*base, node.module] if node.module else base)
+
+
+def _names(node: ast.AST, path: Path) -> list[str]:
+    """The module names one node may import (``from M import n`` gives M and M.n: n may be a module)."""
+    if isinstance(node, ast.Import):
+        return [alias.name for alias in node.names]
+    if isinstance(node, ast.ImportFrom):
+        base = _absolute(node, path)
+        return [base, *(f"{base}.{alias.name}" for alias in node.names)]
+    if isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant):
+        func = node.func
+        called = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+        if called in ("import_module", "__import__") and isinstance(node.args[0].value, str):
+            return [node.args[0].value]
+    return []
+
+
+def imported_names(source: str, path: Path) -> list[tuple[int, str]]:
+    """(line, module name) for every import anywhere in ``source`` (functions and branches included)."""
+    tree = ast.parse(source, filename=str(path))
+    return [(node.lineno, name) for node in ast.walk(tree) for name in _names(node, path)]
+
+
+def lesson_imports(source: str, path: Path) -> list[str]:
+    """``line N: module`` for each lesson module that ``source`` (the text of ``path``) imports."""
+    return [f"line {line}: {name}" for line, name in imported_names(source, path) if is_lesson(name)]
+
+
+# --- the checker itself sees every form of import --------------------------------------------------------
+
+@pytest.mark.parametrize("source, where", [
+    ("import ddp_course.course.plots", "metrics.py"),
+    ("import ddp_course.course as c", "metrics.py"),
+    ("from ddp_course.course.plots import loss_curves", "metrics.py"),
+    ("from ddp_course import course", "metrics.py"),
+    ("from .course import plots", "metrics.py"),
+    ("from . import course", "metrics.py"),
+    ("from ..course.plots import loss_curves", "parallel/ddp.py"),
+    ("from .. import course", "parallel/ddp.py"),
+    ("from ..course import plots", "parallel/__init__.py"),
+    ("def f():\n    if True:\n        from ddp_course.course import plots\n", "train.py"),
+    ("import importlib\nimportlib.import_module('ddp_course.course.plots')", "launch.py"),
+])
+def test_the_scan_finds_a_lesson_import_in_any_form(source, where):
+    assert lesson_imports(source, PACKAGE / where), imported_names(source, PACKAGE / where)
+
+
+@pytest.mark.parametrize("source, where", [
+    ("from ddp_course import config, parallel", "train.py"),
+    ("from . import config", "metrics.py"),
+    ("from .ddp import wrap", "parallel/__init__.py"),
+    ("from .. import config", "parallel/ddp.py"),
+    ("import ddp_course.courseware", "train.py"),
+    ("x = 'ddp_course.course.plots'", "train.py"),  # a string is not an import
+])
+def test_the_scan_passes_core_imports(source, where):
+    assert lesson_imports(source, PACKAGE / where) == []
+
+
+# --- the core itself ---------------------------------------------------------------------------------------
+
+def test_every_core_module_exists():
+    missing = [str(p.relative_to(ROOT)) for p in core_files() if not p.is_file()]
+    assert not missing, f"core modules missing (renamed? update CORE in this test): {missing}"
+
+
+@pytest.mark.parametrize("path", core_files(), ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_core_module_imports_no_lesson_material(path):
+    found = lesson_imports(path.read_text(), path)
+    assert not found, (f"{path.relative_to(ROOT)} imports lesson material {found}: the core must not depend on "
+                       f"{LESSONS}. Move what it needs into the core, or the code that needs it into the lesson.")
+
+
+def test_importing_the_core_loads_no_lesson_module():
+    names = sorted(module_name(p) for p in core_files())
+    code = ("import importlib, json, sys\n"
+            f"for name in {names!r}:\n"
+            "    importlib.import_module(name)\n"
+            f"print(json.dumps(sorted(m for m in sys.modules if m == {LESSONS!r} or m.startswith({LESSONS + '.'!r}))))\n")
+    proc = run_command([sys.executable, "-c", code], timeout=120)
+    loaded = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert loaded == [], f"importing the core loaded lesson modules: {loaded}"
+
+
+def _holds_files(path: Path) -> bool:
+    """Whether a folder holds anything but bytecode caches (a folder left with only __pycache__ after
+    a move is not part of the package)."""
+    return any(p.is_file() for p in path.rglob("*") if "__pycache__" not in p.parts)
+
+
+def test_package_top_level_holds_only_the_expected_modules():
+    found = {p.name for p in PACKAGE.iterdir()
+             if not p.name.startswith(".") and p.name != "__pycache__" and (p.is_file() or _holds_files(p))}
+    assert found - TOP_LEVEL == set(), (
+        f"unexpected at the top of ddp_course/: {sorted(found - TOP_LEVEL)}. Lesson material goes under "
+        "ddp_course/course/lNN_<topic>/ (shared figures in course/plots.py); a new core module is added to "
+        "CORE in tests/test_architecture.py.")
+    assert TOP_LEVEL - found == set(), f"missing from ddp_course/: {sorted(TOP_LEVEL - found)}"
