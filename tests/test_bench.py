@@ -64,7 +64,7 @@ def test_cli_lists_benchmarks_and_refuses_unknown_keys(capsys, tmp_path):
     assert bench.main([]) == 0
     out = capsys.readouterr().out
     assert "overhead" in out and "ddp_vs_threads" in out
-    for name in bench.module_benches():  # ddp_course/benchmarks/NAME.py run through the same command
+    for name in bench.module_benches():  # ddp_course/course/lNN_<topic>/bench_NAME.py run through the same command
         assert f"  {name} " in out
     assert bench.main(["overhead", "--help"]) == 0
     assert "--micro_batch_size=16" in capsys.readouterr().out

@@ -44,7 +44,7 @@ GRADING_RE = re.compile(r"^assert verdict\.ok\b", re.M)
 # Lessons whose exercises are answers about jobs that run the same whether or not the answers are
 # there: the unanswered run executes only the answer cells and their checks, after the lesson's
 # imports (the answered run in `make test` executes every cell, jobs included).
-ANSWERS_ONLY = {"11_debugging_lab.ipynb": "from ddp_course.labs import broken"}
+ANSWERS_ONLY = {"11_debugging_lab.ipynb": "from ddp_course.course.l11_debugging_lab import broken"}
 
 
 def _read(path: Path):
