@@ -22,8 +22,8 @@ from harness import TINY, python_module, torchrun
 
 from ddp_course import dist as ddp_dist
 from ddp_course.config import to_cli
+from ddp_course.course.l04_ddp import two_nodes
 from ddp_course.course.l05_inside_ddp.ddp_common import overlap_stats, read_trace
-from ddp_course.course.l10_scaling import two_nodes
 from ddp_course.dist import SHARED_GPU_VAR, DeviceError, choose_device, choose_study_device
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

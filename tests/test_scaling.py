@@ -106,7 +106,7 @@ def test_torchrun_parser_refuses_a_broken_line():
 
 def test_two_agents_c10d_rendezvous_train_minigpt(tmp_path):
     from ddp_course.config import to_cli
-    from ddp_course.course.l10_scaling.two_nodes import run_two_nodes
+    from ddp_course.course.l04_ddp.two_nodes import run_two_nodes
     from ddp_course.launch import run
     from ddp_course.metrics import read_jsonl
 

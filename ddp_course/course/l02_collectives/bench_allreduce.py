@@ -178,15 +178,8 @@ def run_bench(opts: dict[str, Any]) -> dict[str, Any]:
     jobs = []
     for n in opts["world_sizes"]:
         dev, _, _ = choose_device(opts["device"], n)
-        oversubscribed = dev.type == "cpu" and n > cores
-        if oversubscribed:
-            print(f"[{NAME}] note: {n} processes on {cores} core(s) oversubscribe the CPU: "
-                  "the times include waiting for a core.", flush=True)
-        out_dir = base / f"{NAME}_w{n}"
-        (out_dir / "worker.json").unlink(missing_ok=True)
-        r = harness.launch(harness.module_benches()[NAME], n, what=f"the job with {n} processes",
-                           timeout=opts["timeout_s"], out_dir=out_dir, use_torchrun=True, worker=True, **worker_opts)
-        res = harness.job_result(r)
+        res, r, oversubscribed = harness.worker_job(NAME, n, base / f"{NAME}_w{n}", timeout=opts["timeout_s"],
+                                                    on_cpu=dev.type == "cpu", **worker_opts)
         jobs.append({**res, "oversubscribed": oversubscribed, "wall_s": r.elapsed_s})
 
     for job in jobs:

@@ -196,15 +196,8 @@ def run_bench(opts: dict[str, Any]) -> dict[str, Any]:
     worker_opts["ks"] = ",".join(map(str, opts["ks"]))
     jobs = []
     for w in opts["world_sizes"]:
-        oversubscribed = w * opts["threads"] > cores
-        if oversubscribed:
-            print(f"[no_sync bench] note: {w} processes x {opts['threads']} thread(s) on {cores} core(s) "
-                  "oversubscribe the CPU: the times include waiting for a core.", flush=True)
-        out_dir = base / f"{NAME}_w{w}"
-        (out_dir / "worker.json").unlink(missing_ok=True)
-        r = harness.launch(harness.module_benches()[NAME], w, what=f"the job with {w} process(es)",
-                           timeout=opts["timeout_s"], out_dir=out_dir, use_torchrun=True, worker=True, **worker_opts)
-        res = harness.job_result(r)
+        res, r, oversubscribed = harness.worker_job(NAME, w, base / f"{NAME}_w{w}", timeout=opts["timeout_s"],
+                                                    threads=opts["threads"], **worker_opts)
         # The bench is only valid if the two modes do what they claim: 1 vs K all-reduces per step.
         b = res["n_buckets"]
         for k in opts["ks"]:

@@ -1,4 +1,5 @@
 """Lesson 10, scaling: speedup over processes (``bench_scaling``), DataLoader tuning
 (``bench_dataloader``), torch.compile with DDP (``compile_ddp``, ``bench_compile_ddp``), GPU throughput
-(``bench_gpu``), two nodes on one machine (``two_nodes``), multi-node commands (``multinode``) and the figures.
+(``bench_gpu``), multi-node commands (``multinode``) and the figures. Training on two "nodes" of
+one machine uses lesson 04's ``two_nodes``.
 """

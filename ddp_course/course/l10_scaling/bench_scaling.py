@@ -261,16 +261,9 @@ def run_bench(opts: dict[str, Any]) -> dict[str, Any]:
     worker_opts = {**{k: opts[k] for k in OPTIONS}, "nprocs": ",".join(map(str, opts["nprocs"]))}  # checked again
     jobs = []
     for n in opts["nprocs"]:
-        oversubscribed = n * opts["threads"] > cores
-        if oversubscribed:
-            print(f"[scaling] note: {n} processes x {opts['threads']} thread(s) on {cores} core(s) oversubscribe "
-                  "the CPU: they take turns on the cores, and the figures include that waiting.", flush=True)
-        out_dir = base / f"{NAME}_n{n}"
-        (out_dir / "worker.json").unlink(missing_ok=True)
-        r = harness.launch(harness.module_benches()[NAME], n, what=f"the job with {n} process(es)",
-                           timeout=opts["timeout_s"], out_dir=out_dir, use_torchrun=n > 1,  # one process: no agent
-                           worker=True, **worker_opts)
-        res = harness.job_result(r)
+        res, r, oversubscribed = harness.worker_job(NAME, n, base / f"{NAME}_n{n}", timeout=opts["timeout_s"],
+                                                    threads=opts["threads"], use_torchrun=n > 1,  # one process: no agent
+                                                    **worker_opts)
         jobs.append({"nproc": n, "oversubscribed": oversubscribed, "job_wall_s": r.elapsed_s, **res})
         print(f"[scaling] {n} process(es): weak {res['runs']['weak']['tokens_per_s']:,.0f} tok/s, "
               f"strong {res['runs']['strong']['tokens_per_s']:,.0f} tok/s ({r.elapsed_s:.1f}s job)", flush=True)

@@ -104,7 +104,7 @@ def launch(key: str, out_dir: str | Path, *, nproc: int = 2, timeout: float = 90
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     if bug.nodes == 2:
-        from ddp_course.course.l10_scaling.two_nodes import run_two_nodes
+        from ddp_course.course.l04_ddp.two_nodes import run_two_nodes
 
         script = ["-m", bug.module, f"--out_dir={out.resolve()}", *(f"--{k}={v}" for k, v in flags.items())]
         # both "nodes" see every GPU: the program only picks a device, it runs no collective on one

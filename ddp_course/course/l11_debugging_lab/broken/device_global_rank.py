@@ -1,6 +1,6 @@
 """Bug: the GPU chosen by the global RANK instead of LOCAL_RANK. Breaks on the second node.
 
-    python -m ddp_course.course.l10_scaling.two_nodes --nproc_per_node=2   # two "nodes"; this program through run_two_nodes
+    python -m ddp_course.course.l04_ddp.two_nodes --nproc_per_node=2   # two "nodes"; this program through run_two_nodes
     torchrun --nnodes=2 --node_rank=N --nproc_per_node=2 ... -m ddp_course.course.l11_debugging_lab.broken.device_global_rank
 
 ``torch.cuda.set_device(int(os.environ["RANK"]))`` works on one node, where RANK and LOCAL_RANK are

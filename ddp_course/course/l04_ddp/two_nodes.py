@@ -1,6 +1,6 @@
 """The multi-node torchrun command, run for real with two "nodes" on this one machine.
 
-    python -m ddp_course.course.l10_scaling.two_nodes --nproc_per_node=2 --out_dir=runs/two_nodes
+    python -m ddp_course.course.l04_ddp.two_nodes --nproc_per_node=2 --out_dir=runs/two_nodes
 
 On a real cluster you run the same torchrun command once on every node; only ``--node_rank``
 differs. Here both "nodes" are torchrun agents on this machine that meet at a rendezvous endpoint
@@ -30,7 +30,7 @@ from ddp_course.cli import command, parse_flags
 from ddp_course.course.l04_ddp.spawn_demo import free_port
 from ddp_course.launch import _JOB_VAR, stop_job
 
-PROG = "python -m ddp_course.course.l10_scaling.two_nodes"
+PROG = "python -m ddp_course.course.l04_ddp.two_nodes"
 DEFAULTS = {"nproc_per_node": 2, "out_dir": "runs/two_nodes", "timeout_s": 90.0}
 
 
