@@ -12,7 +12,8 @@ from __future__ import annotations
 import sys
 
 
-def _run(argv: list[str]) -> int:
+def _train_job(argv: list[str]) -> int:
+    """`python -m ddp_course run --nproc=N --key=value ...`: ddp_course.train through launch.run."""
     from ddp_course.config import ConfigError, parse_cli
     from ddp_course.launch import LaunchError, run
 
@@ -46,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return doctor()
     if cmd == "run":
-        return _run(rest)
+        return _train_job(rest)
     if cmd == "bench":
         from ddp_course.bench import main as bench
 
