@@ -269,16 +269,16 @@ def job_result(r, name: str = "worker.json") -> dict[str, Any]:
     return json.loads(path.read_text(encoding="utf-8"))
 
 
-def worker_job(name: str, nproc: int, out_dir: Path, *, timeout: float, threads: int = 1, on_cpu: bool = True,
+def worker_job(name: str, nproc: int, out_dir: Path, *, timeout: float, on_cpu: bool = True,
                use_torchrun: bool = True, **worker_opts: Any) -> tuple[dict[str, Any], Any, bool]:
     """Run benchmark ``name``'s own worker entry (``--worker=true``) on ``nproc`` processes in ``out_dir``.
 
     Returns ``(the worker.json it wrote, the Run, oversubscribed)``; ``oversubscribed`` is true when
     the processes' threads outnumber the cores (CPU only), and a note says that the times then
-    include waiting for a core."""
+    include waiting for a core. ``worker_opts`` are the workers' options (``threads``: per process)."""
     from ddp_course.dist import cpu_count
 
-    cores = cpu_count()
+    cores, threads = cpu_count(), int(worker_opts.get("threads", 1))
     oversubscribed = on_cpu and nproc * threads > cores
     if oversubscribed:
         print(f"[{name}] note: {nproc} processes x {threads} thread(s) on {cores} core(s) oversubscribe the CPU: "

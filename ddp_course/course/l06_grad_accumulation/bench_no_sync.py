@@ -197,7 +197,7 @@ def run_bench(opts: dict[str, Any]) -> dict[str, Any]:
     jobs = []
     for w in opts["world_sizes"]:
         res, r, oversubscribed = harness.worker_job(NAME, w, base / f"{NAME}_w{w}", timeout=opts["timeout_s"],
-                                                    threads=opts["threads"], **worker_opts)
+                                                    **worker_opts)
         # The bench is only valid if the two modes do what they claim: 1 vs K all-reduces per step.
         b = res["n_buckets"]
         for k in opts["ks"]:

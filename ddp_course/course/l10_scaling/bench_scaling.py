@@ -262,7 +262,7 @@ def run_bench(opts: dict[str, Any]) -> dict[str, Any]:
     jobs = []
     for n in opts["nprocs"]:
         res, r, oversubscribed = harness.worker_job(NAME, n, base / f"{NAME}_n{n}", timeout=opts["timeout_s"],
-                                                    threads=opts["threads"], use_torchrun=n > 1,  # one process: no agent
+                                                    use_torchrun=n > 1,  # one process: no agent
                                                     **worker_opts)
         jobs.append({"nproc": n, "oversubscribed": oversubscribed, "job_wall_s": r.elapsed_s, **res})
         print(f"[scaling] {n} process(es): weak {res['runs']['weak']['tokens_per_s']:,.0f} tok/s, "
