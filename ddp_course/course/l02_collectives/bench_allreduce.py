@@ -54,6 +54,31 @@ def message_sizes(min_bytes: int, max_bytes: int, factor: int) -> list[int]:
     return sizes
 
 
+def fastest_allreduce(numel: int, device: Any, calls: int = 32, skip: int = 2) -> float:
+    """Seconds of one all-reduce of ``numel`` float32 zeros: the fastest of ``calls - skip`` timed calls,
+    each after a barrier. A fixed amount of work, so the fastest is its cost and the rest interference;
+    the first ``skip`` calls set up the connection's buffers. Lessons 06 and 10 use it for scale: what
+    one gradient-sized all-reduce costs with nothing to overlap it."""
+    import torch
+    import torch.distributed as dist
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    flat = torch.zeros(numel, device=device)
+    times = []
+    for i in range(calls):
+        dist.barrier()
+        sync()
+        t0 = time.perf_counter()
+        dist.all_reduce(flat)
+        sync()
+        if i >= skip:
+            times.append(time.perf_counter() - t0)
+    return min(times)
+
+
 def _check(opts: dict[str, Any]) -> None:
     """Refuse options that cannot give a measurement; ``world_sizes`` becomes a list of integers."""
     opts["world_sizes"] = harness.int_list(opts, "world_sizes", "2,4")

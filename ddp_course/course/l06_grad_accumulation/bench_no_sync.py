@@ -34,6 +34,7 @@ from typing import Any
 
 from ddp_course import bench as harness
 from ddp_course.bench import BenchError, OptionError
+from ddp_course.course.l02_collectives.bench_allreduce import fastest_allreduce
 
 NAME = "no_sync"
 
@@ -107,17 +108,7 @@ def worker(opts: dict[str, Any]) -> None:
         # 2. One all-reduce of a gradient-sized tensor: the cost no_sync avoids per skipped micro-step.
         model = tiny_model(opts["seed"], **shape).to(device)
         n_params = sum(p.numel() for p in model.parameters())
-        flat = torch.zeros(n_params, device=device)
-        ar = []
-        for i in range(32):
-            dist.barrier()
-            sync()
-            t0 = time.perf_counter()
-            dist.all_reduce(flat)
-            sync()
-            if i >= 2:  # the first calls set up the connection's buffers
-                ar.append(time.perf_counter() - t0)
-        allreduce_s = min(ar)  # a fixed amount of work: the fastest of 30 is its cost, the rest is interference
+        allreduce_s = fastest_allreduce(n_params, device, calls=32)
 
         # 3. Timing the course's train_step.
         ddp = parallel.wrap(model, info, cfg)

@@ -53,6 +53,7 @@ from typing import Any
 from ddp_course import bench as harness
 from ddp_course.bench import BenchError as BenchError  # re-exported: callers catch module.BenchError
 from ddp_course.bench import OptionError
+from ddp_course.course.l02_collectives.bench_allreduce import fastest_allreduce
 
 NAME = "scaling"
 
@@ -185,18 +186,7 @@ def time_phases(cfg, info, n_steps: int) -> dict[str, Any]:
     }
     # One all-reduce of the whole gradient, for scale: what communication costs with no overlap.
     n_params = sum(p.numel() for p in model.parameters())
-    flat = torch.zeros(n_params, device=device)
-    allreduce = []
-    if info.is_distributed:
-        for i in range(22):
-            dist.barrier()
-            sync()
-            t0 = time.perf_counter()
-            dist.all_reduce(flat)
-            sync()
-            if i >= 2:  # the first calls set up buffers
-                allreduce.append(time.perf_counter() - t0)
-    local["allreduce_full_gradient"] = min(allreduce) if allreduce else 0.0
+    local["allreduce_full_gradient"] = fastest_allreduce(n_params, device, calls=22) if info.is_distributed else 0.0
     # DDP's own timers (the reducer samples some iterations): a second opinion on the same phases
     if is_ddp:
         data_ = model._get_ddp_logging_data()
