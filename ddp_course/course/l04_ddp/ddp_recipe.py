@@ -154,8 +154,8 @@ def replica_spread(model: torch.nn.Module, world_size: int) -> float:
 
 
 def mean_over_ranks(value: torch.Tensor, world_size: int) -> float:
-    """The mean of a scalar over the ranks. Every rank must call it: the all_reduce is a collective,
-    and ``.item()`` (which waits for it) runs on every rank, not only on the rank that prints."""
+    """The mean of a scalar over the ranks. Every rank must call it: the all_reduce is a collective.
+    (``.item()`` is not: it waits only for this rank's own device, wherever it is called.)"""
     t = value.detach().clone().double() if value.device.type == "cpu" else value.detach().clone().float()
     if world_size > 1:
         dist.all_reduce(t, op=dist.ReduceOp.SUM)

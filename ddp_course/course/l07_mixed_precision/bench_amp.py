@@ -17,10 +17,12 @@ For each precision it measures, on the device at hand (``--device=auto``: the fi
 - **matmul throughput** of one ``--matmul`` x ``--matmul`` product in each dtype: the hardware's own
   answer to "is 16-bit arithmetic faster here?".
 
-TF32 (fp32 storage, tensor-core matmuls with a 10-bit mantissa; ``torch.set_float32_matmul_precision
-("high")``, which sets ``torch.backends.cuda.matmul.allow_tf32``) is timed as a fourth variant on
-GPUs of compute capability 8.0 (Ampere) or newer; elsewhere it is reported as not applicable, with
-the reason. Prints a table and writes ``<out>/amp.json`` (``--out`` defaults to ``bench_results``).
+TF32 (fp32 storage, tensor-core matmuls with a 10-bit mantissa) is switched on with
+``torch.set_float32_matmul_precision("high")`` on every supported version: on PyTorch 2.9 and later
+that sets ``torch.backends.cuda.matmul.fp32_precision = "tf32"`` (the documented control there; the
+older ``allow_tf32`` flag is being deprecated), on 2.6-2.8 ``allow_tf32``. It is timed as a fourth
+variant on GPUs of compute capability 8.0 (Ampere) or newer; elsewhere it is reported as not
+applicable, with the reason. Prints a table and writes ``<out>/amp.json`` (``--out`` defaults to ``bench_results``).
 """
 
 from __future__ import annotations
