@@ -33,7 +33,7 @@ def global_mean(local_sum: torch.Tensor, local_count: int) -> float:
 
     Averaging the per-rank means would be wrong when the ranks hold different numbers of items.
     """
-    # TODO: put the sum and the count in one float64 tensor, dist.all_reduce it with SUM, divide
+    # TODO: sum this rank's sum and count over all ranks (one collective), return the global mean as a float
     raise NotImplementedError("exercise: complete this part")
 
 

@@ -67,7 +67,7 @@ def ring_all_reduce(x: torch.Tensor, ring: Ring) -> None:
 
     Uses only ``ring.exchange`` (no torch.distributed collective). Every rank must call it.
     """
-    # TODO: chunks = x.tensor_split(n) (views into x); n - 1 reduce-scatter steps (send a chunk right, add the one from the left into your copy), then n - 1 all-gather steps (send a finished chunk right, copy the one from the left into place). Draw the indices for n = 3 first.
+    # TODO: cut x into one chunk per rank (views), then n - 1 reduce-scatter steps and n - 1 all-gather steps, one ring.exchange each. Draw the chunks for n = 3 first.
     raise NotImplementedError("exercise: complete this part")
 
 

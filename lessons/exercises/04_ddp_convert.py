@@ -54,45 +54,45 @@ VAL_WINDOWS = 32
 def setup() -> tuple[int, int, torch.device]:
     """Join the job: returns (rank, world_size, device)."""
     # single process: return 0, 1, torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    # TODO: rank/local_rank/world_size from os.environ; cuda:LOCAL_RANK (+ torch.cuda.set_device, nccl) when every local rank has a GPU, else cpu (gloo); dist.init_process_group(backend, timeout=...)
+    # TODO: read the rank, local rank and world size torchrun set; one GPU per local rank (nccl) if there are enough, else the CPU (gloo); join the process group with a timeout
     raise NotImplementedError("exercise: complete this part")
 
 
 def make_loader(ds, rank: int, world_size: int) -> tuple[DataLoader, DistributedSampler | None]:
     """This process's DataLoader, and the sampler whose epoch must be set (None if there is none)."""
     # single process: return DataLoader(ds, batch_size=MICRO_BATCH, shuffle=True, drop_last=True), None
-    # TODO: DistributedSampler(ds, num_replicas=world_size, rank=rank, shuffle=True, seed=SEED, drop_last=True); DataLoader(ds, batch_size=MICRO_BATCH, sampler=sampler, drop_last=True) -- no shuffle=True
+    # TODO: a distributed sampler gives this rank its own shuffled shard (SEED, drop the tail); the DataLoader uses it and does not shuffle itself
     raise NotImplementedError("exercise: complete this part")
 
 
 def wrap(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
     # single process: return model
-    # TODO: DDP(model, device_ids=[device.index]) on a GPU, DDP(model) on the CPU
+    # TODO: wrap the model in DistributedDataParallel (device_ids only on a GPU)
     raise NotImplementedError("exercise: complete this part")
 
 
 def start_epoch(sampler: DistributedSampler | None, epoch: int) -> None:
     # single process: nothing to do (DataLoader(shuffle=True) reshuffles by itself)
-    # TODO: sampler.set_epoch(epoch), or every epoch repeats epoch 0's order
+    # TODO: tell the sampler which epoch starts, or every epoch repeats epoch 0's order
     raise NotImplementedError("exercise: complete this part")
 
 
 def mean_over_ranks(loss: torch.Tensor, world_size: int) -> float:
     """The loss averaged over the ranks, as a float on every rank (for logging)."""
     # single process: return loss.item()
-    # TODO: clone the detached loss, dist.all_reduce it (SUM), divide by world_size, .item() -- on every rank
+    # TODO: average a detached copy of the loss over the ranks (a collective: every rank calls it), return a float
     raise NotImplementedError("exercise: complete this part")
 
 
 def save(model: torch.nn.Module, path: Path, rank: int) -> None:
     # single process: torch.save(model.state_dict(), path)
-    # TODO: if rank == 0: torch.save(model.module.state_dict(), path); then dist.barrier() on every rank
+    # TODO: only rank 0 writes the unwrapped model's weights; then every rank waits until the file is written
     raise NotImplementedError("exercise: complete this part")
 
 
 def teardown() -> None:
     # single process: nothing to do
-    # TODO: dist.destroy_process_group()
+    # TODO: leave the process group
     raise NotImplementedError("exercise: complete this part")
 
 

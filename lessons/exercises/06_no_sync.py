@@ -42,7 +42,7 @@ def accumulate(model: DDP, micro_batches: list[tuple[torch.Tensor, torch.Tensor]
     Leave in .grad the gradient of the mean loss over all micro-batches (they are all the same
     size). Do not step or zero anything: the caller does.
     """
-    # TODO: divide each loss by len(micro_batches); run forward AND backward of every micro-step but the last inside model.no_sync()
+    # TODO: forward and backward of each micro-batch's loss / K; with use_no_sync, every micro-step but the last (forward included) inside no_sync
     raise NotImplementedError("exercise: complete this part")
 
 

@@ -47,13 +47,13 @@ def save_checkpoint(path: Path, step: int, model: DDP, optimizer: torch.optim.Op
     Rank 0 writes the file -- atomically, so that a crash in the middle of the save leaves no
     half-written ``path`` -- and every rank must be past the save before any continues.
     """
-    # TODO: the RNG states differ per rank: gather every rank's torch.get_rng_state() to rank 0 with dist.gather_object (ALL ranks call it); rank 0 torch.save()s a dict with the step, model.module.state_dict(), optimizer.state_dict() and the RNG list to a temporary name and os.replace()s it onto path; then every rank calls dist.barrier()
+    # TODO: collect every rank's RNG state on rank 0 (a collective: all ranks call it); rank 0 writes the step, model, optimizer and RNG states atomically; then every rank waits for the file
     raise NotImplementedError("exercise: complete this part")
 
 
 def load_checkpoint(path: Path, model: DDP, optimizer: torch.optim.Optimizer, info: DistInfo) -> int:
     """Restore what ``save_checkpoint`` saved, on every rank; return the step to continue from."""
-    # TODO: state = torch.load(path, map_location="cpu", weights_only=True); load the model (model.module) and optimizer state dicts; torch.set_rng_state(this rank's entry); return the step
+    # TODO: read the file on every rank; restore the model, the optimizer and this rank's own RNG state; return the saved step
     raise NotImplementedError("exercise: complete this part")
 
 

@@ -41,7 +41,7 @@ TOLERANCE = LR / 100
 
 def shard(model: MiniGPT, mesh: DeviceMesh) -> nn.Module:
     """Shard ``model`` over ``mesh`` with fully_shard: each of ``model.blocks``, then the model itself."""
-    # TODO: fully_shard each transformer block of model.blocks first, then the whole model, all over mesh; return the model
+    # TODO: make each transformer block an FSDP unit over mesh, then the whole model; return it
     raise NotImplementedError("exercise: complete this part")
 
 

@@ -33,7 +33,7 @@ def global_mean(local_sum: torch.Tensor, local_count: int) -> float:
 
     Averaging the per-rank means would be wrong when the ranks hold different numbers of items.
     """
-    # BEGIN SOLUTION hint: put the sum and the count in one float64 tensor, dist.all_reduce it with SUM, divide
+    # BEGIN SOLUTION hint: sum this rank's sum and count over all ranks (one collective), return the global mean as a float
     totals = torch.stack([local_sum.detach().double(), torch.tensor(float(local_count), dtype=torch.float64)])
     dist.all_reduce(totals, op=dist.ReduceOp.SUM)
     return (totals[0] / totals[1]).item()

@@ -54,7 +54,7 @@ VAL_WINDOWS = 32
 def setup() -> tuple[int, int, torch.device]:
     """Join the job: returns (rank, world_size, device)."""
     # single process: return 0, 1, torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    # BEGIN SOLUTION hint: rank/local_rank/world_size from os.environ; cuda:LOCAL_RANK (+ torch.cuda.set_device, nccl) when every local rank has a GPU, else cpu (gloo); dist.init_process_group(backend, timeout=...)
+    # BEGIN SOLUTION hint: read the rank, local rank and world size torchrun set; one GPU per local rank (nccl) if there are enough, else the CPU (gloo); join the process group with a timeout
     rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
     world_size = int(os.environ["WORLD_SIZE"])
     if torch.cuda.is_available() and torch.cuda.device_count() >= int(os.environ["LOCAL_WORLD_SIZE"]):
@@ -71,7 +71,7 @@ def setup() -> tuple[int, int, torch.device]:
 def make_loader(ds, rank: int, world_size: int) -> tuple[DataLoader, DistributedSampler | None]:
     """This process's DataLoader, and the sampler whose epoch must be set (None if there is none)."""
     # single process: return DataLoader(ds, batch_size=MICRO_BATCH, shuffle=True, drop_last=True), None
-    # BEGIN SOLUTION hint: DistributedSampler(ds, num_replicas=world_size, rank=rank, shuffle=True, seed=SEED, drop_last=True); DataLoader(ds, batch_size=MICRO_BATCH, sampler=sampler, drop_last=True) -- no shuffle=True
+    # BEGIN SOLUTION hint: a distributed sampler gives this rank its own shuffled shard (SEED, drop the tail); the DataLoader uses it and does not shuffle itself
     sampler = DistributedSampler(ds, num_replicas=world_size, rank=rank, shuffle=True, seed=SEED, drop_last=True)
     return DataLoader(ds, batch_size=MICRO_BATCH, sampler=sampler, drop_last=True), sampler
     # END SOLUTION
@@ -79,14 +79,14 @@ def make_loader(ds, rank: int, world_size: int) -> tuple[DataLoader, Distributed
 
 def wrap(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
     # single process: return model
-    # BEGIN SOLUTION hint: DDP(model, device_ids=[device.index]) on a GPU, DDP(model) on the CPU
+    # BEGIN SOLUTION hint: wrap the model in DistributedDataParallel (device_ids only on a GPU)
     return DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     # END SOLUTION
 
 
 def start_epoch(sampler: DistributedSampler | None, epoch: int) -> None:
     # single process: nothing to do (DataLoader(shuffle=True) reshuffles by itself)
-    # BEGIN SOLUTION hint: sampler.set_epoch(epoch), or every epoch repeats epoch 0's order
+    # BEGIN SOLUTION hint: tell the sampler which epoch starts, or every epoch repeats epoch 0's order
     sampler.set_epoch(epoch)
     # END SOLUTION
 
@@ -94,7 +94,7 @@ def start_epoch(sampler: DistributedSampler | None, epoch: int) -> None:
 def mean_over_ranks(loss: torch.Tensor, world_size: int) -> float:
     """The loss averaged over the ranks, as a float on every rank (for logging)."""
     # single process: return loss.item()
-    # BEGIN SOLUTION hint: clone the detached loss, dist.all_reduce it (SUM), divide by world_size, .item() -- on every rank
+    # BEGIN SOLUTION hint: average a detached copy of the loss over the ranks (a collective: every rank calls it), return a float
     t = loss.detach().clone()
     dist.all_reduce(t, op=dist.ReduceOp.SUM)
     return (t / world_size).item()
@@ -103,7 +103,7 @@ def mean_over_ranks(loss: torch.Tensor, world_size: int) -> float:
 
 def save(model: torch.nn.Module, path: Path, rank: int) -> None:
     # single process: torch.save(model.state_dict(), path)
-    # BEGIN SOLUTION hint: if rank == 0: torch.save(model.module.state_dict(), path); then dist.barrier() on every rank
+    # BEGIN SOLUTION hint: only rank 0 writes the unwrapped model's weights; then every rank waits until the file is written
     if rank == 0:
         torch.save(model.module.state_dict(), path)  # the plain model: no "module." in the keys
     dist.barrier()  # nobody goes on (to read the file, or to exit) before it is written
@@ -112,7 +112,7 @@ def save(model: torch.nn.Module, path: Path, rank: int) -> None:
 
 def teardown() -> None:
     # single process: nothing to do
-    # BEGIN SOLUTION hint: dist.destroy_process_group()
+    # BEGIN SOLUTION hint: leave the process group
     dist.destroy_process_group()
     # END SOLUTION
 

@@ -47,7 +47,7 @@ def save_checkpoint(path: Path, step: int, model: DDP, optimizer: torch.optim.Op
     Rank 0 writes the file -- atomically, so that a crash in the middle of the save leaves no
     half-written ``path`` -- and every rank must be past the save before any continues.
     """
-    # BEGIN SOLUTION hint: the RNG states differ per rank: gather every rank's torch.get_rng_state() to rank 0 with dist.gather_object (ALL ranks call it); rank 0 torch.save()s a dict with the step, model.module.state_dict(), optimizer.state_dict() and the RNG list to a temporary name and os.replace()s it onto path; then every rank calls dist.barrier()
+    # BEGIN SOLUTION hint: collect every rank's RNG state on rank 0 (a collective: all ranks call it); rank 0 writes the step, model, optimizer and RNG states atomically; then every rank waits for the file
     rng = [None] * info.world_size if info.rank == 0 else None
     dist.gather_object(torch.get_rng_state(), rng, dst=0)  # a collective: every rank, not only rank 0
     if info.rank == 0:
@@ -61,7 +61,7 @@ def save_checkpoint(path: Path, step: int, model: DDP, optimizer: torch.optim.Op
 
 def load_checkpoint(path: Path, model: DDP, optimizer: torch.optim.Optimizer, info: DistInfo) -> int:
     """Restore what ``save_checkpoint`` saved, on every rank; return the step to continue from."""
-    # BEGIN SOLUTION hint: state = torch.load(path, map_location="cpu", weights_only=True); load the model (model.module) and optimizer state dicts; torch.set_rng_state(this rank's entry); return the step
+    # BEGIN SOLUTION hint: read the file on every rank; restore the model, the optimizer and this rank's own RNG state; return the saved step
     state = torch.load(path, map_location="cpu", weights_only=True)
     model.module.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])

@@ -41,7 +41,7 @@ TOLERANCE = LR / 100
 
 def shard(model: MiniGPT, mesh: DeviceMesh) -> nn.Module:
     """Shard ``model`` over ``mesh`` with fully_shard: each of ``model.blocks``, then the model itself."""
-    # BEGIN SOLUTION hint: fully_shard each transformer block of model.blocks first, then the whole model, all over mesh; return the model
+    # BEGIN SOLUTION hint: make each transformer block an FSDP unit over mesh, then the whole model; return it
     for block in model.blocks:  # bottom-up: each block becomes one all-gather / reduce-scatter unit
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)  # the root: embeddings (tied head) and the final LayerNorm
