@@ -13,7 +13,7 @@ one process training on the whole (concatenated) batch:
 2. ``make_loader``: a ``DistributedSampler`` (shuffled, ``drop_last``, the seed below) and a DataLoader
    that uses it and does not shuffle itself;
 3. ``wrap``: ``DistributedDataParallel``;
-4. ``sampler.set_epoch(epoch)`` at the start of every epoch;
+4. ``start_epoch``: tell the sampler which epoch begins, at the start of every epoch;
 5. ``mean_over_ranks``: the loss to log, averaged over the ranks, ``.item()`` on every rank;
 6. ``save``: rank 0 saves the unwrapped model (``.module``); every rank waits at a barrier;
 7. ``teardown``: leave the process group.
