@@ -150,9 +150,10 @@ def _exercise(script: str):
 
 
 def _arm_kill(exercise, out_dir: Path) -> None:
-    """Make the next ``torch.save``, however ``save_checkpoint`` reaches it, write half of its bytes
-    and SIGKILL this process: lesson 08's ``ckpt_kill`` armed on a file the learner names by path,
-    an open file or an in-memory buffer. Notes in ``killed.json`` what was being written."""
+    """Make the next ``torch.save`` that writes the checkpoint, however ``save_checkpoint`` reaches it,
+    write half of its bytes and SIGKILL this process: lesson 08's ``ckpt_kill`` armed on a file named
+    by its path, an open file, or a buffer of the learner's (torch's own ``torch.save`` into a buffer,
+    e.g. in ``gather_object``, runs as usual). Notes in ``killed.json`` what was being written."""
     import torch
 
     from ddp_course.course.l08_checkpointing import ckpt_kill
@@ -164,14 +165,18 @@ def _arm_kill(exercise, out_dir: Path) -> None:
 
     def save(obj, f, *args, **kwargs):
         named = isinstance(f, (str, os.PathLike))
+        try:
+            is_file = named or f.fileno() >= 0
+        except (AttributeError, OSError):  # an in-memory buffer
+            is_file = False
+        if not is_file and sys._getframe(1).f_globals is not vars(exercise):
+            return real(obj, f, *args, **kwargs)  # torch's own, e.g. gather_object serialising the RNG states
         write_json(out_dir / "killed.json", {"writing": Path(f).name if named else None})
+        if not is_file:  # the learner's buffer: the process dies before its bytes reach any file
+            os.kill(os.getpid(), signal.SIGKILL)
         if named:
             with open(f, "wb") as opened:
                 half_then_die(obj, opened, *args, **kwargs)
-        try:
-            f.fileno()
-        except (AttributeError, OSError):  # a buffer: the process dies before its bytes reach any file
-            os.kill(os.getpid(), signal.SIGKILL)
         half_then_die(obj, f, *args, **kwargs)  # an open file: half of the bytes land in it
 
     torch.save = torch.serialization.save = save
@@ -214,7 +219,8 @@ def main(argv: list[str]) -> int:
                     result["step"] = int(exercise.load_checkpoint(path, model, optimizer, info))
                     result["loaded"] = exercise.probe(model, optimizer)
                 except Exception as exc:  # what a truncated file does to the learner's load
-                    result["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+                    first = str(exc).split(". ")[0].splitlines()[0][:200] if str(exc).strip() else ""
+                    result["error"] = f"{type(exc).__name__}: {first}"
         sys.stdout.write(f"RESULT {json.dumps(result)}\n")
         sys.stdout.flush()
     return 0
