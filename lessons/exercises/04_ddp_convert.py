@@ -18,8 +18,8 @@ one process training on the whole (concatenated) batch:
 6. ``save``: rank 0 saves the unwrapped model (``.module``); every rank waits at a barrier;
 7. ``teardown``: leave the process group.
 
-Grade it (the grader runs it with torchrun on 2 processes and compares the final parameters with a
-single process trained on the concatenated batch):
+Grade it (the grader runs it with torchrun on 2 processes and compares the final parameters, and the
+losses every rank logged, with a single process trained on the concatenated batch):
 
     python -m ddp_course check 04 lessons/exercises/04_ddp_convert.py
 
@@ -133,7 +133,7 @@ def main(argv: list[str]) -> None:
     flat = torch.cat([p.detach().double().flatten() for p in model.parameters()])
     result = json.dumps({
         "rank": rank, "world_size": world_size, "device": str(device), "final": str(path.resolve()),
-        "param_checksum": [flat.sum().item(), flat.square().sum().item()], "seen": seen,
+        "param_checksum": [flat.sum().item(), flat.square().sum().item()], "seen": seen, "losses": losses,
         "config": {"steps": len(losses), "micro_batch_size": MICRO_BATCH, "lr": LR, "seed": SEED,
                    "train_windows": TRAIN_WINDOWS, "val_windows": VAL_WINDOWS, **SHAPE}})
     sys.stdout.write(f"RESULT {result}\n")  # one write: lines of two ranks cannot interleave

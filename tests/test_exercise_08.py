@@ -1,0 +1,109 @@
+"""Exercise 08's grader accepts the solution and rejects each classic mistake of saving and loading,
+saying which one it is.
+
+Every wrong attempt is the answered solution with ONE function body replaced. The diagnosis of the
+resumed run's RESULT rows (each part of the state left out) is also checked without a job in
+``tests/test_checkpoint.py::test_grader_diagnoses_each_missing_part``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+from harness import ROOT
+
+from ddp_course.check import replace_function_body
+from ddp_course.course.l08_checkpointing import grader
+
+SOLUTION = ROOT / "solutions" / "exercises" / "08_save_load.py"
+
+_spec = importlib.util.spec_from_file_location("make_lessons", ROOT / "tools" / "make_lessons.py")
+make_lessons = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(make_lessons)
+
+GATHER = ("    rng = [None] * info.world_size if info.rank == 0 else None\n"
+          "    dist.gather_object(torch.get_rng_state(), rng, dst=0)\n")
+STATE = ('        state = {"step": step, "model": model.module.state_dict(), "optimizer": optimizer.state_dict(), '
+         '"rng": rng}\n')
+
+
+def answered() -> str:
+    """The solution as a learner who completed it has it (the marker lines gone)."""
+    return make_lessons.answer_source(SOLUTION.read_text(), SOLUTION.name)
+
+
+def attempt(tmp_path: Path, function: str, body: str) -> Path:
+    path = tmp_path / f"08_{function}.py"
+    path.write_text(replace_function_body(answered(), function, body))
+    return path
+
+
+@pytest.mark.timeout(400)
+def test_solution_passes_both_crashes(tmp_path):
+    path = tmp_path / "08_answered.py"
+    path.write_text(answered())
+    verdict = grader.grade(path, timeout=180)
+    assert verdict.ok, verdict.message
+    assert "resumed at step" in verdict.message and "the save is atomic" in verdict.message
+
+
+@pytest.mark.timeout(400)
+def test_save_straight_onto_the_path_is_rejected(tmp_path):
+    # The classic: torch.save(state, path). The restart after a crash long after the save resumes
+    # exactly; only a kill during the write shows the truncated file.
+    path = attempt(tmp_path, "save_checkpoint", GATHER + "    if info.rank == 0:\n" + STATE +
+                   "        torch.save(state, path)\n"
+                   "    dist.barrier()\n")
+    verdict = grader.grade(path, timeout=180)
+    assert not verdict.ok
+    assert "the resume is exact, but" in verdict.message, verdict.message
+    assert "truncated file" in verdict.message and "straight onto path" in verdict.message, verdict.message
+    assert "temporary file in the same folder" in verdict.message and "os.replace" in verdict.message
+
+
+@pytest.mark.timeout(200)
+def test_removing_the_old_checkpoint_before_writing_is_rejected(tmp_path):
+    # A temporary file, but the old checkpoint deleted first: a kill in between leaves nothing at all.
+    path = attempt(tmp_path, "save_checkpoint", GATHER + "    if info.rank == 0:\n" + STATE +
+                   "        tmp = path.with_name(path.name + '.tmp')\n"
+                   "        path.unlink(missing_ok=True)\n"
+                   "        torch.save(state, tmp)\n"
+                   "        os.rename(tmp, path)\n"
+                   "    dist.barrier()\n")
+    verdict = grader._kill_during_save(path, tmp_path / "scratch", timeout=120)
+    assert not verdict.ok
+    assert "no checkpoint at path" in verdict.message and "os.replace" in verdict.message, verdict.message
+
+
+@pytest.mark.timeout(400)
+def test_only_rank_0s_rng_state_saved_is_rejected(tmp_path):
+    # Rank 0 saves its own generator: rank 1 resumes with rank 0's dropout masks.
+    path = attempt(tmp_path, "save_checkpoint",
+                   "    if info.rank == 0:\n"
+                   '        state = {"step": step, "model": model.module.state_dict(), '
+                   '"optimizer": optimizer.state_dict(),\n'
+                   '                 "rng": [torch.get_rng_state()] * info.world_size}\n'
+                   "        tmp = path.with_name(path.name + '.tmp')\n"
+                   "        torch.save(state, tmp)\n"
+                   "        os.replace(tmp, path)\n"
+                   "    dist.barrier()\n")
+    verdict = grader.grade(path, timeout=180)
+    assert not verdict.ok
+    assert "got rank 0's RNG state" in verdict.message, verdict.message
+
+
+def test_kill_diagnosis_names_each_outcome():
+    previous = {"model": "m", "optimizer": "o", "rng": "r"}
+    row = {"attempt": 1, "killed": True, "path": "checkpoint.pt", "writing": "checkpoint.pt.tmp", "exists": True,
+           "previous": previous, "step": 1, "loaded": previous}
+    assert grader.diagnose_kill(row).ok
+    v = grader.diagnose_kill({**row, "writing": "checkpoint.pt", "error": "RuntimeError: failed finding central"})
+    assert not v.ok and "truncated file" in v.message and "straight onto path" in v.message
+    v = grader.diagnose_kill({**row, "exists": False})
+    assert not v.ok and "no checkpoint at path" in v.message and "os.replace" in v.message
+    v = grader.diagnose_kill({"attempt": 0, "killed": False})
+    assert not v.ok and "never called torch.save" in v.message
+    v = grader.diagnose_kill({**row, "step": 2})
+    assert not v.ok and "not the complete checkpoint of step 1" in v.message
