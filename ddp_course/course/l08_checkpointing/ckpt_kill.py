@@ -44,7 +44,7 @@ DEFAULTS: dict[str, Any] = {"out_dir": "runs/ckpt_kill", "format": "full", "time
 SHAPE = {"vocab_size": 65, "block_size": 32, "n_layer": 1, "n_head": 2, "n_embd": 32}
 
 
-def _arm_kill(fmt: str) -> str:
+def arm_kill(fmt: str) -> str:
     """Make rank 0 SIGKILL itself in the middle of the next save; returns where."""
     if fmt == "full":
         real_save = torch.save
@@ -95,7 +95,7 @@ def main(argv: list[str]) -> int:
         path1 = checkpoint.save(out_dir, 1, model, optimizer, None, info, SHAPE, keep_last=2, fmt=fmt)
         fp1 = checkpoint.fingerprint(model, optimizer)
         step()
-        where = _arm_kill(fmt) if info.is_main else ""
+        where = arm_kill(fmt) if info.is_main else ""
         if info.is_main:
             report = {"format": fmt, "world_size": info.world_size, "saved": str(path1), "saved_step": 1,
                       "fingerprint": fp1, "killing": str(checkpoint.checkpoint_path(out_dir, 2, fmt)) + ".tmp",

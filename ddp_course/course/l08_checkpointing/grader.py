@@ -160,7 +160,7 @@ def _arm_kill(exercise, out_dir: Path) -> None:
     from ddp_course.metrics import write_json
 
     real = torch.save
-    ckpt_kill._arm_kill("full")  # torch.save(obj, open_file) now writes half of the bytes, then SIGKILL
+    ckpt_kill.arm_kill("full")  # torch.save(obj, open_file) now writes half of the bytes, then SIGKILL
     half_then_die = torch.save
 
     def save(obj, f, *args, **kwargs):
