@@ -19,6 +19,9 @@ import torch
 from ddp_course.check import Verdict, last_lines, run_exercise
 
 NPROC = 2
+# The settings the exercise invites the learner to change ("Changing these is fine": the grader reads
+# them from the RESULT lines); check.grade lets them take other literal values of the same kind.
+EDITABLE = ("STEPS", "MICRO_BATCH", "LR", "SEED", "SHAPE", "TRAIN_WINDOWS", "VAL_WINDOWS")
 
 # Largest |parameter difference| allowed after training. DDP averages the two ranks' gradients of
 # the same windows, the reference takes one mean over all of them: the same numbers summed in a
@@ -168,6 +171,11 @@ def grade(path: str | Path, timeout: float = 180) -> Verdict:
                                   "model.module.state_dict(), which loads into a plain MiniGPT.")
 
         cfg = found[0]["config"]
+        epoch = max(1, (cfg["train_windows"] // NPROC) // cfg["micro_batch_size"])
+        if cfg["steps"] < 2 * epoch:  # sampler.set_epoch shows only from the second epoch on
+            return Verdict(False, f"the script trained {cfg['steps']} steps, less than two epochs ({epoch} steps each "
+                                  "with these settings): the grader compares epoch 1 with epoch 0 to check "
+                                  f"sampler.set_epoch. Set STEPS to at least {2 * epoch} (the exercise's 18 is three epochs).")
         ref, ref_losses = _reference(cfg, found[0].get("device", "cpu"), timeout)
         if set(ref) != set(state):
             return Verdict(False, f"the saved parameters are not MiniGPT's: missing {sorted(set(ref) - set(state))[:3]},"

@@ -1,0 +1,194 @@
+"""A script grader cannot be fooled by editing the harness below the exercise's TODO.
+
+``check.grade`` compares the learner's file with the shipped exercise (outside the answer regions,
+by syntax tree) before the lesson's grader runs. Here every exercise's answered solution (what
+``tools/make_lessons.py --answered`` writes) passes that check, and doctored copies -- a constant
+changed, the script's own verdict or reference forced, the RESULT line edited -- are refused with a
+verdict that names what differs and where. No job starts: each grader is replaced by a stand-in
+that fails the test if the check lets a doctored script through.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import importlib.util
+
+import pytest
+from harness import ROOT
+
+from ddp_course import check
+
+_spec = importlib.util.spec_from_file_location("make_lessons", ROOT / "tools" / "make_lessons.py")
+ml = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(ml)
+
+EXERCISES = {p.name[:2]: p.name for p in sorted((ROOT / "solutions" / "exercises").glob("*.py"))}
+GRADED = "graded by the lesson's grader"
+
+
+@pytest.fixture(scope="module")
+def answered(tmp_path_factory) -> dict:
+    """{"NN": path} of each exercise as a learner who completed it has it (answers in, markers out)."""
+    out = tmp_path_factory.mktemp("learner")
+    written = {}
+    for path, text in ml.targets(ROOT, out, answered=True).items():
+        if path.suffix == ".py":
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text, encoding="utf-8")
+            written[path.name[:2]] = path
+    return written
+
+
+@pytest.fixture
+def graders(monkeypatch) -> list[str]:
+    """Replace every lesson grader's ``grade`` by a stand-in that starts nothing; the calls it got."""
+    calls = []
+    for number, module in check.graders().items():
+        grader = importlib.import_module(module)
+        monkeypatch.setattr(grader, "grade", lambda path, _n=number, **kw: calls.append(_n) or check.Verdict(True, GRADED))
+    return calls
+
+
+def doctored(answered: dict, tmp_path, number: str, old: str, new: str):
+    """The answered exercise ``number`` with ``old`` replaced by ``new`` once; (path, line of the change)."""
+    src = answered[number].read_text(encoding="utf-8")
+    assert src.count(old) == 1, (number, old)
+    path = tmp_path / EXERCISES[number]
+    path.write_text(src.replace(old, new), encoding="utf-8")
+    return path, src[:src.index(old)].count("\n") + 1
+
+
+@pytest.mark.parametrize("number", sorted(EXERCISES))
+def test_answered_solution_keeps_the_harness_and_reaches_its_grader(number, answered, graders):
+    editable = getattr(importlib.import_module(check.graders()[number]), "EDITABLE", ())
+    assert check.harness_differences(answered[number].read_text(), check.exercise_reference(number).source,
+                                     editable) == []
+    verdict = check.grade(number, answered[number])
+    assert verdict.ok and verdict.message == GRADED, verdict
+    assert graders == [number]
+    # the solution file itself (markers are comments) and the shipped learner copy have the same harness
+    for path in (ROOT / "solutions" / "exercises" / EXERCISES[number], ROOT / "lessons" / "exercises" / EXERCISES[number]):
+        assert check.check_harness(number, path, editable) == check.Verdict(True, ""), path
+
+
+# (exercise, text of the answered copy, what replaces it, what the verdict must name)
+DOCTORED = [
+    pytest.param("09", "MICRO_BATCH_SIZE, STEPS, LR, SEED = 4, 4, 1e-3, 0", "MICRO_BATCH_SIZE, STEPS, LR, SEED = 4, 0, 1e-3, 0",
+                 "MICRO_BATCH_SIZE, STEPS, LR, SEED", id="09-no-training-steps"),
+    pytest.param("01", "ok = abs(result - ref.item()) < 1e-6", "ok = True", "main()", id="01-own-ok-forced"),
+    pytest.param("01", '"reference": ref.item(),', '"reference": result,', "main()", id="01-own-reference-forced"),
+    pytest.param("04", 'sys.stdout.write(f"RESULT {result}\\n")',
+                 'sys.stdout.write(f"RESULT {result}\\n".replace(\'"world_size": 1\', \'"world_size": 2\'))',
+                 "main()", id="04-result-line-edited"),
+    pytest.param("02", "SIZES = (1, 3, 4, 10, 1000, 4099)", "SIZES = (4,)", "SIZES", id="02-only-easy-sizes"),
+    pytest.param("02", "        self.messages += 1\n", "        self.messages = 2 * (self.world_size - 1)\n",
+                 "class Ring", id="02-message-count-forged"),
+    pytest.param("06", '"cases": cases, "ok": ok}', '"cases": cases, "ok": True}', "main()", id="06-result-ok-forced"),
+    pytest.param("08", '"reference": reference})', '"reference": run})', "main()", id="08-reference-is-the-run"),
+]
+
+
+@pytest.mark.parametrize("number, old, new, names", DOCTORED)
+def test_a_changed_harness_is_refused_before_the_grader_runs(number, old, new, names, answered, graders, tmp_path):
+    path, line = doctored(answered, tmp_path, number, old, new)
+    verdict = check.grade(number, path)
+    assert not verdict.ok and graders == [], verdict
+    message = verdict.message
+    assert f"{names} differs at line {line} of your file" in message, message
+    assert new.strip()[:40] in message, message  # quotes the changed line
+    assert "Restore the part of the file outside the TODO (copy it again from " \
+           f"lessons/exercises/{EXERCISES[number]})" in message, message
+
+
+def test_formatting_comments_and_docstrings_may_differ(answered, graders, tmp_path):
+    src = answered["06"].read_text()
+    tree = ast.parse(src)
+    tree.body[0].value.value = "My notes on exercise 06."  # the module docstring
+    path = tmp_path / "06_no_sync.py"
+    path.write_text("# my copy\n\n" + ast.unparse(tree).replace("\n", "\n\n"))  # no comments, other layout
+    assert check.grade("06", path).message == GRADED
+
+
+def test_imports_and_helpers_may_be_added_but_not_rebind_what_the_harness_uses(answered, graders, tmp_path):
+    extra = ("import contextlib\nimport torch.distributed as dist\nimport torch.nn\nfrom ddp_course.dist import log\n"
+             "import math\n\n\ndef _scale(loss, n):\n    return loss / n\n")
+    path, _ = doctored(answered, tmp_path, "06", "import contextlib\n", extra)
+    assert check.grade("06", path).message == GRADED
+    graders.clear()
+    for added, why in (("from json import loads as lab", "it rebinds lab, which the harness uses"),
+                       ("from os import *", "a `*` import may rebind any name"),
+                       ("def main():\n    pass", "it redefines main, which the harness uses"),
+                       ("SEED = 1", "`SEED = 1`, is not in the course's copy"),
+                       ("torch.manual_seed(1)", "only imports and helper functions may be added outside the TODO")):
+        path, line = doctored(answered, tmp_path, "06", "\n\ndef accumulate(", f"\n\n{added}\n\n\ndef accumulate(")
+        verdict = check.grade("06", path)
+        assert not verdict.ok and graders == [] and why in verdict.message, (added, verdict)
+
+
+def test_a_missing_statement_is_named_with_the_course_line(answered, graders, tmp_path):
+    path, _ = doctored(answered, tmp_path, "08", "import hashlib\n", "")
+    verdict = check.grade("08", path)
+    assert not verdict.ok and "import hashlib (line " in verdict.message and "is missing" in verdict.message, verdict
+    path, _ = doctored(answered, tmp_path, "02", "def ring_all_reduce(x: torch.Tensor, ring: Ring) -> None:",
+                       "def ring_all_reduce(x: torch.Tensor, ring: Ring, check=None) -> None:")
+    verdict = check.grade("02", path)  # the answer's body is free, not its signature
+    assert not verdict.ok and "ring_all_reduce() differs at line" in verdict.message, verdict
+
+
+def test_the_settings_exercise_04_invites_to_change_may_change_but_stay_plain_values(answered, graders, tmp_path):
+    path, _ = doctored(answered, tmp_path, "04", "STEPS = 18", "STEPS = 24")
+    assert check.grade("04", path).message == GRADED
+    path, _ = doctored(answered, tmp_path, "04", '"n_embd": 64}', '"n_embd": 32}')
+    assert check.grade("04", path).message == GRADED
+    for old, new in (("STEPS = 18", 'STEPS = int("0")'), ("STEPS = 18", "STEPS = 18.0"),
+                     ('"n_embd": 64}', '"n_embd": 64, "dropout": 0.5}')):
+        path, line = doctored(answered, tmp_path, "04", old, new)
+        verdict = check.grade("04", path)
+        assert not verdict.ok and f"at line {line} of your file" in verdict.message and \
+            "must stay a plain value of the same kind" in verdict.message, verdict
+    # in exercise 09 the grader reads the settings from the file: they are part of the harness
+    path, _ = doctored(answered, tmp_path, "09", "SEED = 4, 4, 1e-3, 0", "SEED = 4, 8, 1e-3, 0")
+    assert not check.grade("09", path).ok
+
+
+def test_grader_04_refuses_fewer_than_two_epochs(monkeypatch, tmp_path):
+    """STEPS may change in exercise 04, but the set_epoch check needs a second epoch."""
+    import torch
+
+    from ddp_course.course.l04_ddp import grader
+
+    torch.save({}, tmp_path / "final.pt")
+    cfg = {"steps": 6, "micro_batch_size": 8, "lr": 0.3, "seed": 1337, "train_windows": 96, "val_windows": 32,
+           "block_size": 32, "n_layer": 2, "n_head": 2, "n_embd": 64}
+    rows = [{"rank": r, "world_size": 2, "device": "cpu", "final": str(tmp_path / "final.pt"), "seen": [],
+             "param_checksum": [0.0, 0.0], "config": cfg} for r in range(2)]
+    monkeypatch.setattr(grader, "run_exercise", lambda *a, **k: rows)
+    monkeypatch.setattr(grader, "_reference", lambda *a, **k: pytest.fail("trained a reference"))
+    verdict = grader.grade(tmp_path / "04_ddp_convert.py")
+    assert not verdict.ok and "less than two epochs" in verdict.message and "at least 12" in verdict.message
+
+
+def test_a_top_level_todo_leaves_its_statements_free():
+    stub = f'raise NotImplementedError("{check.STUB}")'
+    reference = f"import json\nX = 1\n# TODO: build y\n{stub}\nprint(json.dumps(y))\n"
+    assert check.harness_differences("import json\nX = 1\ny = [X]\ny.append(2)\nprint(json.dumps(y))\n", reference) == []
+    found = check.harness_differences("import json\nX = 1\ny = [X]\nprint(json.dumps(y, indent=1))\n", reference)
+    assert len(found) == 1 and "line 4 of your file" in found[0], found
+    found = check.harness_differences("import json\nX = 2\ny = [X]\nprint(json.dumps(y))\n", reference)
+    assert len(found) == 1 and found[0].startswith("X differs at line 2"), found
+
+
+def test_without_a_shipped_copy_the_verdict_says_the_harness_was_not_compared(answered, graders, monkeypatch):
+    monkeypatch.setattr(check, "exercise_reference", lambda number, graded=None: None)
+    verdict = check.grade("01", answered["01"])
+    assert verdict.ok and verdict.message.startswith(GRADED) and "was not compared" in verdict.message, verdict
+
+
+def test_the_reference_is_never_the_graded_file_itself(monkeypatch):
+    lessons = ROOT / "lessons" / "exercises" / EXERCISES["01"]
+    ref = check.exercise_reference("01", lessons)
+    assert ref.shown == f"lessons/exercises/{EXERCISES['01']}" and ref.source == lessons.read_text()
+    monkeypatch.setattr(check, "_make_lessons", lambda: None)  # no tools/: the lessons/ copy is the reference...
+    assert check.exercise_reference("01", ROOT / "solutions" / "exercises" / EXERCISES["01"]).source == lessons.read_text()
+    assert check.exercise_reference("01", lessons) is None  # ...except for itself (edited in place)
