@@ -50,6 +50,7 @@ def test_solution_passes_and_logs_the_one_process_loss(fresh_cache, tmp_path):
     verdict = grader.grade(path, timeout=180)
     assert verdict.ok, verdict.message
     assert "logged the one-process loss" in verdict.message
+    assert "tolerance" in verdict.message  # the verdict states what it compared against
 
 
 @pytest.mark.timeout(300)
