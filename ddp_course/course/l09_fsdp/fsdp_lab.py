@@ -340,9 +340,10 @@ def main(argv: list[str]) -> int:
             ranks = gather_objects({k: row[k] for k in ("measured", "predicted", "cuda", "step_time_s", "step_times_s")},
                                    info)
             row["per_rank"] = ranks
-            row["step_time_s"] = max(r["step_time_s"] for r in ranks)
-            # each timed step as the slowest rank saw it (the steps start together, after a barrier)
+            # each timed step as the slowest rank saw it (the steps start together, after a barrier), and
+            # their median: the step time the lesson reports, with the spread of the same steps beside it
             row["step_times_s"] = [max(ts) for ts in zip(*(r["step_times_s"] for r in ranks))]
+            row["step_time_s"] = statistics.median(row["step_times_s"])
             for k in ("measured", "predicted", "cuda"):
                 row.pop(k)
             if opts["trace"] and name == "fsdp":
