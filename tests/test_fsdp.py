@@ -26,7 +26,7 @@ from ddp_course.launch import run
 LAB = {"n_layer": 2, "n_head": 4, "n_embd": 128, "block_size": 32, "micro_batch_size": 4, "device": "cpu"}
 LAB2 = {"steps": 6, "variants": "ddp,fsdp,fsdp_noreshard,fsdp_bf16,fsdp_ac,fsdp1,fsdp1_noreshard", "trace": True,
         "checkpoints": True, "fsdp1_hybrid_bug": True, **LAB}
-LAB4 = {"steps": 3, "variants": "ddp,fsdp,fsdp_noreshard,fsdp_hybrid,fsdp1,fsdp1_hybrid", "trace": True, **LAB}
+LAB4 = {"steps": 5, "variants": "ddp,fsdp,fsdp_noreshard,fsdp_hybrid,fsdp1,fsdp1_hybrid", "trace": True, **LAB}
 # fp32: FSDP and DDP add the same gradients in another order (reduce-scatter and a DTensor norm for
 # clipping vs DDP's all-reduce), which changes last bits, ~1e-7 of a gradient: the two trainings'
 # updates then differ by ~1e-5 of their size. A real bug (a missing average, an unsynchronised tensor)

@@ -67,7 +67,7 @@ DEFAULTS: dict[str, Any] = {
     "n_layer": 2, "n_head": 4, "n_embd": 64, "block_size": 32, "micro_batch_size": 8,
     "hook_steps": 40,  # training steps per communication hook for the loss comparison
     "hook_lr": 3e-3,
-    "cost_steps": 10, "cost_rounds": 3,  # timing of find_unused_parameters / static_graph
+    "cost_steps": 10, "cost_rounds": 7,  # timing of find_unused_parameters / static_graph: rounds give the spread
     "join_batches": 3,  # rank r gets join_batches + 2 r batches
     "pg_timeout_s": 2.0,  # timeout of the process groups in which something is meant to fail
     "corpus": "tinyshakespeare",
@@ -363,7 +363,9 @@ def part_static(opts, info: DistInfo, data) -> dict[str, Any]:
     out = {"steps_done": 3, "max_grad_err": max(errs), "branch_grad_none": model.branch.weight.grad is None,
            "static_graph_logged": logging.get("static_graph")}
     out["cost"] = _cost(opts, info, data)
-    log(f"[static] forward+backward ms (median): {out['cost']['median_ms']}")
+    log("[static] forward+backward ms, median (min-max) over rounds: " + ", ".join(
+        f"{k} {v:.2f} ({min(out['cost']['step_ms'][k]):.2f}-{max(out['cost']['step_ms'][k]):.2f})"
+        for k, v in out["cost"]["median_ms"].items()))
     return out
 
 

@@ -17,8 +17,8 @@ For each variant, the first step is measured: the bytes autograd saves in forwar
 (``memory.saved_activations``), then, after the optimizer step, the bytes of parameters, gradients
 and AdamW states on this rank (``memory.measure_states``), next to the calculator's prediction
 (``memory.predict``); on a GPU the allocator's peak as well. Then the losses of every step, the
-median step time, and the final parameters gathered in full (``get_model_state_dict(...,
-full_state_dict=True)``) compared with DDP's.
+median step time (and every timed step's, for the spread), and the final parameters gathered in
+full (``get_model_state_dict(..., full_state_dict=True)``) compared with DDP's.
 
 Also, with ``--trace=true``: the shapes of every parameter's local shard on each rank under FSDP2,
 and a profiler trace of one FSDP2 step (``trace_fsdp.json``, for chrome://tracing or Perfetto)
@@ -180,6 +180,7 @@ def run_variant(name: str, opts: dict[str, Any], info, data) -> tuple[dict[str, 
            "fsdp_shard_size": cfg.fsdp_shard_size, "mixed_precision": cfg.fsdp_mixed_precision,
            "activation_checkpointing": cfg.activation_checkpointing, "losses": losses,
            "step_time_s": statistics.median(times[1:]) if len(times) > 1 else times[0],
+           "step_times_s": times[1:] if len(times) > 1 else times,  # the timed steps, for their spread
            "measured": measured, "predicted": predicted, "cuda": cuda}
     return row, model, optimizer, cfg
 
@@ -336,9 +337,13 @@ def main(argv: list[str]) -> int:
             if reference is None and name == "ddp":
                 reference = final
             row["vs_ddp"] = compare(final, reference, init) if reference is not None and name != "ddp" else None
-            ranks = gather_objects({k: row[k] for k in ("measured", "predicted", "cuda", "step_time_s")}, info)
+            ranks = gather_objects({k: row[k] for k in ("measured", "predicted", "cuda", "step_time_s", "step_times_s")},
+                                   info)
             row["per_rank"] = ranks
-            row["step_time_s"] = max(r["step_time_s"] for r in ranks)
+            # each timed step as the slowest rank saw it (the steps start together, after a barrier), and
+            # their median: the step time the lesson reports, with the spread of the same steps beside it
+            row["step_times_s"] = [max(ts) for ts in zip(*(r["step_times_s"] for r in ranks))]
+            row["step_time_s"] = statistics.median(row["step_times_s"])
             for k in ("measured", "predicted", "cuda"):
                 row.pop(k)
             if opts["trace"] and name == "fsdp":
