@@ -19,6 +19,8 @@ spawned worker that re-imports a test module pays nothing for it.
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import os
 import shlex
 import socket
@@ -27,6 +29,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from types import ModuleType
 from typing import NoReturn
 
 import pytest
@@ -129,3 +132,30 @@ def spawn(fn: Callable[..., None], args: tuple, world: int, deadline_s: float = 
             if p.is_alive():
                 p.kill()
                 p.join(5)
+
+
+# --------------------------------------------------------------------------------------------------
+# exercise scripts, answered and with one mistake
+
+@functools.cache
+def make_lessons() -> ModuleType:
+    """``tools/make_lessons.py``, loaded by its path (``tools/`` is not an installed package)."""
+    spec = importlib.util.spec_from_file_location("make_lessons", ROOT / "tools" / "make_lessons.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def answered_exercise(name: str) -> str:
+    """``solutions/exercises/<name>`` as a learner who completed it has it (the marker lines gone)."""
+    path = ROOT / "solutions" / "exercises" / name
+    return make_lessons().answer_source(path.read_text(encoding="utf-8"), path.name)
+
+
+def exercise_attempt(tmp_path: Path, name: str, function: str, body: str) -> Path:
+    """The answered exercise ``name`` with ``function``'s body replaced by ``body``: one mistake."""
+    from ddp_course.check import replace_function_body
+
+    path = tmp_path / f"{Path(name).stem}_{function}.py"
+    path.write_text(replace_function_body(answered_exercise(name), function, body), encoding="utf-8")
+    return path

@@ -8,20 +8,12 @@ have written there). The mistakes of the data order (no DistributedSampler) are 
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
-from harness import ROOT
+from harness import answered_exercise, exercise_attempt
 
-from ddp_course.check import replace_function_body
 from ddp_course.course.l04_ddp import grader
 
-SOLUTION = ROOT / "solutions" / "exercises" / "04_ddp_convert.py"
-
-_spec = importlib.util.spec_from_file_location("make_lessons", ROOT / "tools" / "make_lessons.py")
-make_lessons = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(make_lessons)
+NAME = "04_ddp_convert.py"
 
 
 @pytest.fixture(scope="module")
@@ -32,73 +24,44 @@ def fresh_cache(tmp_path_factory):
         yield
 
 
-def answered() -> str:
-    """The solution as a learner who completed it has it (the marker lines gone)."""
-    return make_lessons.answer_source(SOLUTION.read_text(), SOLUTION.name)
-
-
-def attempt(tmp_path: Path, function: str, body: str) -> Path:
-    path = tmp_path / f"04_{function}.py"
-    path.write_text(replace_function_body(answered(), function, body))
-    return path
-
-
 @pytest.mark.timeout(300)
 def test_solution_passes_and_logs_the_one_process_loss(fresh_cache, tmp_path):
     path = tmp_path / "04_answered.py"
-    path.write_text(answered())
+    path.write_text(answered_exercise(NAME))
     verdict = grader.grade(path, timeout=180)
     assert verdict.ok, verdict.message
     assert "logged the one-process loss" in verdict.message
     assert "tolerance" in verdict.message  # the verdict states what it compared against
 
 
-@pytest.mark.timeout(300)
-def test_loss_summed_over_ranks_and_never_divided_is_rejected(fresh_cache, tmp_path):
-    path = attempt(tmp_path, "mean_over_ranks", "    t = loss.detach().clone()\n"
-                                                "    dist.all_reduce(t, op=dist.ReduceOp.SUM)\n"
-                                                "    return t.item()\n")
-    verdict = grader.grade(path, timeout=180)
-    assert not verdict.ok
-    assert "2.00 times" in verdict.message and "divide by the world size" in verdict.message, verdict.message
-
-
-@pytest.mark.timeout(300)
-def test_each_rank_logging_its_own_loss_is_rejected(fresh_cache, tmp_path):
+MISTAKES = {
+    # a sum that is never divided: every logged loss is world_size times the truth
+    "summed, never divided": ("mean_over_ranks", "    t = loss.detach().clone()\n"
+                                                 "    dist.all_reduce(t, op=dist.ReduceOp.SUM)\n"
+                                                 "    return t.item()\n",
+                              ("2.00 times", "divide by the world size")),
     # no all_reduce at all: rank 0's log shows the loss of half the batch
-    path = attempt(tmp_path, "mean_over_ranks", "    return loss.item()\n")
-    verdict = grader.grade(path, timeout=180)
-    assert not verdict.ok
-    assert "its own batch" in verdict.message and "all_reduce" in verdict.message, verdict.message
-
-
-@pytest.mark.timeout(300)
-def test_mean_reduced_to_rank_0_only_is_rejected(fresh_cache, tmp_path):
+    "each rank its own loss": ("mean_over_ranks", "    return loss.item()\n", ("its own batch", "all_reduce")),
     # dist.reduce: only rank 0 receives the sum; rank 1 logs whatever its buffer holds
-    path = attempt(tmp_path, "mean_over_ranks", "    t = loss.detach().clone()\n"
-                                                "    dist.reduce(t, dst=0, op=dist.ReduceOp.SUM)\n"
-                                                "    return (t / world_size).item()\n")
-    verdict = grader.grade(path, timeout=180)
-    assert not verdict.ok
-    assert "rank(s) [1] did not" in verdict.message and "all_reduce" in verdict.message, verdict.message
+    "mean on rank 0 only": ("mean_over_ranks", "    t = loss.detach().clone()\n"
+                                               "    dist.reduce(t, dst=0, op=dist.ReduceOp.SUM)\n"
+                                               "    return (t / world_size).item()\n",
+                            ("rank(s) [1] did not", "all_reduce")),
+    "no set_epoch": ("start_epoch", "    pass\n", ("set_epoch",)),
+    # the DDP wrapper's state dict: every key starts with 'module.', which one process cannot load
+    "saving the wrapper": ("save", "    if rank == 0:\n"
+                                   "        torch.save(model.state_dict(), path)\n"
+                                   "    dist.barrier()\n", ("'module.'",)),
+}
 
 
 @pytest.mark.timeout(300)
-def test_without_set_epoch_is_rejected(fresh_cache, tmp_path):
-    path = attempt(tmp_path, "start_epoch", "    pass\n")
-    verdict = grader.grade(path, timeout=180)
+@pytest.mark.parametrize("mistake", list(MISTAKES))
+def test_classic_mistake_is_rejected_and_named(mistake, fresh_cache, tmp_path):
+    function, body, phrases = MISTAKES[mistake]
+    verdict = grader.grade(exercise_attempt(tmp_path, NAME, function, body), timeout=180)
     assert not verdict.ok
-    assert "set_epoch" in verdict.message, verdict.message
-
-
-@pytest.mark.timeout(300)
-def test_saving_the_wrapper_is_rejected(fresh_cache, tmp_path):
-    path = attempt(tmp_path, "save", "    if rank == 0:\n"
-                                     "        torch.save(model.state_dict(), path)\n"
-                                     "    dist.barrier()\n")
-    verdict = grader.grade(path, timeout=180)
-    assert not verdict.ok
-    assert "'module.'" in verdict.message, verdict.message
+    assert all(p in verdict.message for p in phrases), verdict.message
 
 
 def test_loss_check_names_each_mistake_without_a_job():

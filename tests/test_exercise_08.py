@@ -8,20 +8,15 @@ resumed run's RESULT rows (each part of the state left out) is also checked with
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
-from harness import ROOT
+from harness import ROOT, answered_exercise, exercise_attempt
 
-from ddp_course.check import replace_function_body
 from ddp_course.course.l08_checkpointing import grader
 
 SOLUTION = ROOT / "solutions" / "exercises" / "08_save_load.py"
 
-_spec = importlib.util.spec_from_file_location("make_lessons", ROOT / "tools" / "make_lessons.py")
-make_lessons = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(make_lessons)
 
 GATHER = ("    rng = [None] * info.world_size if info.rank == 0 else None\n"
           "    dist.gather_object(torch.get_rng_state(), rng, dst=0)\n")
@@ -30,14 +25,11 @@ STATE = ('        state = {"step": step, "model": model.module.state_dict(), "op
 
 
 def answered() -> str:
-    """The solution as a learner who completed it has it (the marker lines gone)."""
-    return make_lessons.answer_source(SOLUTION.read_text(), SOLUTION.name)
+    return answered_exercise(SOLUTION.name)
 
 
 def attempt(tmp_path: Path, function: str, body: str) -> Path:
-    path = tmp_path / f"08_{function}.py"
-    path.write_text(replace_function_body(answered(), function, body))
-    return path
+    return exercise_attempt(tmp_path, SOLUTION.name, function, body)
 
 
 @pytest.mark.timeout(400)
