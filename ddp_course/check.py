@@ -11,6 +11,7 @@ course's own reference; it says what is wrong, not only that something is.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -198,8 +199,9 @@ class Reference:
     shown: str  # e.g. lessons/exercises/01_global_val_loss.py
 
 
+@functools.cache
 def _make_lessons():
-    """``tools/make_lessons.py`` of the repository beside the package, loaded by path (or None)."""
+    """``tools/make_lessons.py`` of the repository beside the package, loaded by path once (or None)."""
     import importlib.util
 
     path = Path(__file__).resolve().parents[1] / "tools" / "make_lessons.py"

@@ -15,13 +15,11 @@ import importlib
 import importlib.util
 
 import pytest
-from harness import ROOT
+from harness import ROOT, make_lessons
 
 from ddp_course import check
 
-_spec = importlib.util.spec_from_file_location("make_lessons", ROOT / "tools" / "make_lessons.py")
-ml = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(ml)
+ml = make_lessons()
 
 EXERCISES = {p.name[:2]: p.name for p in sorted((ROOT / "solutions" / "exercises").glob("*.py"))}
 GRADED = "graded by the lesson's grader"
