@@ -32,7 +32,7 @@ def _same(rec: dict[str, Any], module: str, nproc: int, flags: dict[str, Any], e
 
 
 def folder(rel: str) -> Path | None:
-    """The notebooks' folder ``rel`` (e.g. ``runs/11``) when ``make test`` named one, else None."""
+    """The notebooks' folder ``rel`` (e.g. ``runs/12``) when ``make test`` named one, else None."""
     root = os.environ.get(VAR)
     return Path(root) / rel if root else None
 

@@ -44,7 +44,8 @@ TOPICS: dict[str, tuple[str, ...]] = {
            "fault tolerance", "restart", "restarts", "restart count", "ckpt_format", "resume", "resumes"),
     "09": ("FSDP", "FSDP2", "fully_shard", "sharded", "ZeRO"),
     "10": ("scaling", "NCCL_DEBUG", "speedup", "multinode"),
-    "11": ("debugging lab", "broken program", "classic DDP bug"),
+    "11": ("beyond data parallelism", "tensor parallelism", "pipeline parallelism", "parallelize_module"),
+    "12": ("debugging lab", "broken program", "classic DDP bug"),
 }
 WINDOW = 60  # characters each side: a few words, about one clause of a sentence
 
@@ -201,7 +202,7 @@ WRONG = [
     "(for a sharded model, see lesson 12).",
 ]
 RIGHT = [
-    "(the debugging lab, lesson 11).",
+    "(the debugging lab, lesson 12).",
     "the job restarts without a human (elastic training, with checkpoints from lesson 08).",
     "simplest to debug. Mixed precision (lesson 07) and activation checkpointing (lesson 01) postpone the",
     "its own part (`torch.distributed.checkpoint`, lesson 08).",

@@ -2,7 +2,7 @@
 
 All eight programs start at once (``broken.launch_all``): the hanging ones spend most of their time
 waiting for their 5 s process-group timeout, the others starting Python, so side by side they take
-a fraction of the time. Lesson 11 runs the same nine jobs: under ``make test`` the tests check the
+a fraction of the time. Lesson 12 runs the same nine jobs: under ``make test`` the tests check the
 notebook's runs (``notebook_runs``) rather than launch them again. Each test then checks its program's characteristic symptom in what the
 ranks recorded -- so the lab cannot silently stop showing the bug it is about.
 """
@@ -15,7 +15,7 @@ import notebook_runs
 import pytest
 import torch
 
-from ddp_course.course.l11_debugging_lab import broken
+from ddp_course.course.l12_debugging_lab import broken
 
 PG_TIMEOUT = broken.PG_TIMEOUT_S
 
@@ -24,8 +24,8 @@ DETAIL = {"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}
 
 
 def _notebook_lab():
-    """Lesson 11's runs of the same nine jobs, when the notebook made them in this session (else None)."""
-    base = notebook_runs.folder("runs/11")
+    """Lesson 12's runs of the same nine jobs, when the notebook made them in this session (else None)."""
+    base = notebook_runs.folder("runs/12")
     if base is None:
         return None
     done = {}
@@ -36,11 +36,11 @@ def _notebook_lab():
                 return None
             done[key] = (None, base / key)
             continue
-        run = notebook_runs.reuse(f"runs/11/{key}", bug.module, 2, **broken.job_flags(key))
+        run = notebook_runs.reuse(f"runs/12/{key}", bug.module, 2, **broken.job_flags(key))
         if run is None:
             return None
         done[key] = (run, run.out_dir)
-    detail = notebook_runs.reuse("runs/11/detail", broken.BUGS["collective_rank0"].module, 2, env=DETAIL,
+    detail = notebook_runs.reuse("runs/12/detail", broken.BUGS["collective_rank0"].module, 2, env=DETAIL,
                                  **broken.job_flags("collective_rank0"))
     if detail is None:
         return None

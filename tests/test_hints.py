@@ -172,8 +172,8 @@ def test_no_hint_contains_a_line_of_the_answer(ex: Exercise):
 # The detector against the hints this course used to have (they each gave lines of the answer away).
 OLD = {
     "03_data_parallel#1": "zip(replicas[0].parameters(), other.parameters()); p0.grad.add_(p.grad); p.grad = None",
-    "11_debugging_lab#2": ('broken.error_files(run_b)[0] has "message" and "traceback"; the program is '
-                           'ddp_course/course/l11_debugging_lab/broken/world_size.py; records hold env["WORLD_SIZE"]'),
+    "12_debugging_lab#2": ('broken.error_files(run_b)[0] has "message" and "traceback"; the program is '
+                           'ddp_course/course/l12_debugging_lab/broken/world_size.py; records hold env["WORLD_SIZE"]'),
     "exercises/04_ddp_convert.py": "dist.destroy_process_group()",
     "exercises/02_ring_allreduce.py": "chunks = x.tensor_split(n) (views into x); n - 1 reduce-scatter steps",
 }

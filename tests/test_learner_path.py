@@ -19,7 +19,7 @@ To stay cheap, not every cell runs. The plan of each lesson (``plan``) executes,
 
 A skipped cell uses nothing a TODO defines and does not touch the exercise scripts, so it runs the
 same whether the exercises are done or not; ``make test`` executes every cell of every lesson in
-their answered form (``python tools/make_lessons.py --answered build/learner``). Lesson 11's
+their answered form (``python tools/make_lessons.py --answered build/learner``). Lesson 12's
 exercises are answers about jobs that run the same answered or not: there only the answer cells and
 their checks run, after the lesson's import (``ANSWERS_ONLY``).
 """
@@ -44,7 +44,7 @@ GRADING_RE = re.compile(r"^assert verdict\.ok\b", re.M)
 # Lessons whose exercises are answers about jobs that run the same whether or not the answers are
 # there: the unanswered run executes only the answer cells and their checks, after the lesson's
 # imports (the answered run in `make test` executes every cell, jobs included).
-ANSWERS_ONLY = {"11_debugging_lab.ipynb": "from ddp_course.course.l11_debugging_lab import broken"}
+ANSWERS_ONLY = {"12_debugging_lab.ipynb": "from ddp_course.course.l12_debugging_lab import broken"}
 
 
 def _read(path: Path):

@@ -309,4 +309,4 @@ def test_answered_copy_of_this_course(tmp_path):
             assert d.source.splitlines() == _without_marker_lines(s.source), f"{src.name}: {d.source[:60]!r}"
             assert d.outputs == s.outputs and d.execution_count == s.execution_count
             n_regions += le.source.count(RAISE)
-    assert n_regions >= 6  # the in-notebook exercises of lessons 01, 03, 07 and 11 were answered
+    assert n_regions >= 6  # the in-notebook exercises of lessons 01, 03, 07 and 12 were answered

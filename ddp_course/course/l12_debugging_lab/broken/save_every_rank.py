@@ -1,6 +1,6 @@
 """Bug: every rank writes the checkpoint. N writers race for one file.
 
-    torchrun --standalone --nproc_per_node=2 -m ddp_course.course.l11_debugging_lab.broken.save_every_rank --out_dir=runs/broken/save_every_rank
+    torchrun --standalone --nproc_per_node=2 -m ddp_course.course.l12_debugging_lab.broken.save_every_rank --out_dir=runs/broken/save_every_rank
 
 After a few DDP steps the replicas are identical, so one copy of the weights is the checkpoint; the
 bug is the save without ``if rank == 0``::
@@ -32,10 +32,10 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddp_course.cli import command
-from ddp_course.course.l11_debugging_lab.broken._common import Record, cpu_setup, flags, tiny_model, token_batch
+from ddp_course.course.l12_debugging_lab.broken._common import Record, cpu_setup, flags, tiny_model, token_batch
 from ddp_course.dist import log
 
-PROG = "torchrun --standalone --nproc_per_node=2 -m ddp_course.course.l11_debugging_lab.broken.save_every_rank"
+PROG = "torchrun --standalone --nproc_per_node=2 -m ddp_course.course.l12_debugging_lab.broken.save_every_rank"
 
 
 def save(model: DDP, path: Path, rank: int) -> dict:

@@ -45,7 +45,7 @@ def announce_cpu(rank: int) -> None:
 def cpu_setup(timeout_s: float, threads: int = 1) -> Iterator[Any]:
     """``ddp_course.dist.setup`` on the CPU with gloo, the lab's one device; rank 0 prints why first.
 
-    The line does not start with ``[``, so :func:`ddp_course.course.l11_debugging_lab.broken.symptom` leaves it out.
+    The line does not start with ``[``, so :func:`ddp_course.course.l12_debugging_lab.broken.symptom` leaves it out.
     """
     from ddp_course.dist import log, setup
 

@@ -1,7 +1,7 @@
 """Bug: a collective called on rank 0 only. The job hangs until the process-group timeout.
 
-    torchrun --standalone --nproc_per_node=2 -m ddp_course.course.l11_debugging_lab.broken.collective_rank0 --out_dir=runs/broken/collective_rank0
-    TORCH_DISTRIBUTED_DEBUG=DETAIL torchrun --standalone --nproc_per_node=2 -m ddp_course.course.l11_debugging_lab.broken.collective_rank0
+    torchrun --standalone --nproc_per_node=2 -m ddp_course.course.l12_debugging_lab.broken.collective_rank0 --out_dir=runs/broken/collective_rank0
+    TORCH_DISTRIBUTED_DEBUG=DETAIL torchrun --standalone --nproc_per_node=2 -m ddp_course.course.l12_debugging_lab.broken.collective_rank0
 
 An evaluation job: every rank computes the mean loss of a small model on its own shard of batches,
 and the job reports the mean over all ranks. Twice:
@@ -35,7 +35,7 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from ddp_course.cli import FlagError, command
-from ddp_course.course.l11_debugging_lab.broken._common import (
+from ddp_course.course.l12_debugging_lab.broken._common import (
     INIT_TIMEOUT_S,
     Record,
     cpu_setup,
@@ -46,7 +46,7 @@ from ddp_course.course.l11_debugging_lab.broken._common import (
 )
 from ddp_course.dist import log
 
-PROG = "torchrun --standalone --nproc_per_node=2 -m ddp_course.course.l11_debugging_lab.broken.collective_rank0"
+PROG = "torchrun --standalone --nproc_per_node=2 -m ddp_course.course.l12_debugging_lab.broken.collective_rank0"
 
 
 def local_stats(rank: int, world: int, n_batches: int = 4) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """Bug: a DistributedSampler whose ``set_epoch`` is never called. Every epoch repeats the same order.
 
-    torchrun --standalone --nproc_per_node=2 -m ddp_course.course.l11_debugging_lab.broken.no_set_epoch --out_dir=runs/broken/no_set_epoch
+    torchrun --standalone --nproc_per_node=2 -m ddp_course.course.l12_debugging_lab.broken.no_set_epoch --out_dir=runs/broken/no_set_epoch
 
 ``DistributedSampler(shuffle=True)`` draws its permutation from ``seed + epoch``, and the epoch is
 only what ``set_epoch`` last told it (0 if never). Without the call every epoch is shuffled the same
@@ -22,10 +22,10 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from torch.utils.data import DataLoader, DistributedSampler
 
 from ddp_course.cli import command
-from ddp_course.course.l11_debugging_lab.broken._common import Record, cpu_setup, flags
+from ddp_course.course.l12_debugging_lab.broken._common import Record, cpu_setup, flags
 from ddp_course.dist import log
 
-PROG = "torchrun --standalone --nproc_per_node=2 -m ddp_course.course.l11_debugging_lab.broken.no_set_epoch"
+PROG = "torchrun --standalone --nproc_per_node=2 -m ddp_course.course.l12_debugging_lab.broken.no_set_epoch"
 
 
 def epochs_seen(rank: int, world: int, n: int, batch: int, epochs: int, call_set_epoch: bool) -> list[list[int]]:

@@ -1,7 +1,7 @@
-"""The debugging lab: one small torchrun program per classic DDP bug (lesson 11).
+"""The debugging lab: one small torchrun program per classic DDP bug (lesson 12).
 
-    from ddp_course.course.l11_debugging_lab import broken
-    run = broken.launch("collective_rank0", "runs/11/collective_rank0")   # never hangs: timeouts
+    from ddp_course.course.l12_debugging_lab import broken
+    run = broken.launch("collective_rank0", "runs/12/collective_rank0")   # never hangs: timeouts
     print(broken.symptom(run))          # what the learner sees in the terminal, condensed
     broken.records(run)                 # what each rank noted: rank<R>.json, as data
     broken.error_files(run)             # torchrun's error files, written through @record
@@ -24,7 +24,7 @@ from typing import Any
 
 from ddp_course.check import NOT_COMPLETE, Verdict
 
-PACKAGE = "ddp_course.course.l11_debugging_lab.broken"
+PACKAGE = "ddp_course.course.l12_debugging_lab.broken"
 PG_TIMEOUT_S = 5.0  # the process-group timeout the lab runs with: long enough for a tiny job, short to wait out
 
 
@@ -198,7 +198,7 @@ def _overlap(a: list[list[int]], b: list[list[int]]) -> float:
 
 
 def check_exercise(number: int, answer: Any, out_dir: str | Path) -> Verdict:
-    """Grade diagnosis ``number`` (1, 2 or 3) of lesson 11's exercise against the run in ``out_dir``.
+    """Grade diagnosis ``number`` (1, 2 or 3) of lesson 12's exercise against the run in ``out_dir``.
 
     1. ``collective_rank0``: ``{rank: collective}``, the collective each rank was stuck in.
     2. ``world_size``: ``{"asked": N, "launched": M}``, the world size the code asked for and the one
@@ -227,7 +227,7 @@ def check_exercise(number: int, answer: Any, out_dir: str | Path) -> Verdict:
         return Verdict(True, "rank " + " and rank ".join(f"{r} was in {truth[r]}" for r in truth)
                        + ": two different collectives, so neither can complete -- the all_reduce must run on every rank.")
     if number == 2:
-        from ddp_course.course.l11_debugging_lab.broken.world_size import WORLD_SIZE
+        from ddp_course.course.l12_debugging_lab.broken.world_size import WORLD_SIZE
 
         launched = {int(rec["env"]["WORLD_SIZE"]) for rec in recs.values()}
         truth = {"asked": WORLD_SIZE, "launched": launched.pop()}

@@ -1,6 +1,6 @@
 """Bug: a world size written into the code that is not the one the job was launched with.
 
-    torchrun --standalone --nproc_per_node=2 -m ddp_course.course.l11_debugging_lab.broken.world_size --out_dir=runs/broken/world_size
+    torchrun --standalone --nproc_per_node=2 -m ddp_course.course.l12_debugging_lab.broken.world_size --out_dir=runs/broken/world_size
 
 The program was written for a 4-GPU machine and says so in a constant::
 
@@ -28,9 +28,9 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from ddp_course.cli import FlagError, command
-from ddp_course.course.l11_debugging_lab.broken._common import Record, announce_cpu, flags
+from ddp_course.course.l12_debugging_lab.broken._common import Record, announce_cpu, flags
 
-PROG = "torchrun --standalone --nproc_per_node=2 -m ddp_course.course.l11_debugging_lab.broken.world_size"
+PROG = "torchrun --standalone --nproc_per_node=2 -m ddp_course.course.l12_debugging_lab.broken.world_size"
 WORLD_SIZE = 4  # "we train on a 4-GPU machine" -- THE BUG when the job is launched with another size
 
 

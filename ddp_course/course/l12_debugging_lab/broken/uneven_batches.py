@@ -1,6 +1,6 @@
 """Bug: ranks with different numbers of batches (a hand-made shard, no ``drop_last``). The job hangs.
 
-    torchrun --standalone --nproc_per_node=2 -m ddp_course.course.l11_debugging_lab.broken.uneven_batches --out_dir=runs/broken/uneven_batches
+    torchrun --standalone --nproc_per_node=2 -m ddp_course.course.l12_debugging_lab.broken.uneven_batches --out_dir=runs/broken/uneven_batches
 
 The dataset is split by hand, ``indices[rank::world_size]``, and loaded with ``drop_last=False``. With
 ``--n`` = 2 x 4 x 3 + 1 = 25 samples and batches of 4, rank 0 gets 13 samples (4 batches, the last of
@@ -34,7 +34,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 
 from ddp_course.cli import command
-from ddp_course.course.l11_debugging_lab.broken._common import (
+from ddp_course.course.l12_debugging_lab.broken._common import (
     INIT_TIMEOUT_S,
     Record,
     cpu_setup,
@@ -45,7 +45,7 @@ from ddp_course.course.l11_debugging_lab.broken._common import (
 )
 from ddp_course.dist import log
 
-PROG = "torchrun --standalone --nproc_per_node=2 -m ddp_course.course.l11_debugging_lab.broken.uneven_batches"
+PROG = "torchrun --standalone --nproc_per_node=2 -m ddp_course.course.l12_debugging_lab.broken.uneven_batches"
 
 
 class Windows(torch.utils.data.Dataset):

@@ -1,6 +1,6 @@
 """Bug: ``no_sync()`` in the wrong place during gradient accumulation. No error; see what it costs.
 
-    torchrun --standalone --nproc_per_node=2 -m ddp_course.course.l11_debugging_lab.broken.no_sync_placement --out_dir=runs/broken/no_sync_placement
+    torchrun --standalone --nproc_per_node=2 -m ddp_course.course.l12_debugging_lab.broken.no_sync_placement --out_dir=runs/broken/no_sync_placement
 
 Accumulating K micro-batches per optimizer step, only the last backward needs DDP's all-reduce;
 ``with model.no_sync():`` skips it on the others. DDP decides whether a backward will all-reduce when
@@ -32,10 +32,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddp_course.cli import command
 from ddp_course.course.l06_grad_accumulation.no_sync_lab import AllReduceCounter
-from ddp_course.course.l11_debugging_lab.broken._common import Record, cpu_setup, flags, tiny_model, token_batch
+from ddp_course.course.l12_debugging_lab.broken._common import Record, cpu_setup, flags, tiny_model, token_batch
 from ddp_course.dist import log
 
-PROG = "torchrun --standalone --nproc_per_node=2 -m ddp_course.course.l11_debugging_lab.broken.no_sync_placement"
+PROG = "torchrun --standalone --nproc_per_node=2 -m ddp_course.course.l12_debugging_lab.broken.no_sync_placement"
 VARIANTS = ("right", "backward_only", "all_inside")
 
 

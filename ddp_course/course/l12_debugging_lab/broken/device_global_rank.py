@@ -1,7 +1,7 @@
 """Bug: the GPU chosen by the global RANK instead of LOCAL_RANK. Breaks on the second node.
 
     python -m ddp_course.course.l04_ddp.two_nodes --nproc_per_node=2   # two "nodes"; this program through run_two_nodes
-    torchrun --nnodes=2 --node_rank=N --nproc_per_node=2 ... -m ddp_course.course.l11_debugging_lab.broken.device_global_rank
+    torchrun --nnodes=2 --node_rank=N --nproc_per_node=2 ... -m ddp_course.course.l12_debugging_lab.broken.device_global_rank
 
 ``torch.cuda.set_device(int(os.environ["RANK"]))`` works on one node, where RANK and LOCAL_RANK are
 the same numbers. On a second node, ranks 2 and 3 ask for GPUs 2 and 3 -- which a 2-GPU node does not
@@ -24,9 +24,9 @@ import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from ddp_course.cli import command
-from ddp_course.course.l11_debugging_lab.broken._common import Record, flags
+from ddp_course.course.l12_debugging_lab.broken._common import Record, flags
 
-PROG = "python -m ddp_course.course.l11_debugging_lab.broken.device_global_rank (under torchrun)"
+PROG = "python -m ddp_course.course.l12_debugging_lab.broken.device_global_rank (under torchrun)"
 
 
 @record

@@ -1,6 +1,6 @@
 """Does DDP run under the debug level set in the environment? One small DDP step, stage by stage.
 
-    TORCH_DISTRIBUTED_DEBUG=DETAIL torchrun --standalone --nproc_per_node=2 -m ddp_course.course.l11_debugging_lab.detail_probe --out_dir=runs/detail_probe
+    TORCH_DISTRIBUTED_DEBUG=DETAIL torchrun --standalone --nproc_per_node=2 -m ddp_course.course.l12_debugging_lab.detail_probe --out_dir=runs/detail_probe
 
 ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` wraps the process group so that every collective is first checked
 against the other ranks' (the check that names mismatched collectives), and makes DDP log more. A
@@ -32,7 +32,7 @@ CPU_BY_DESIGN = ("the probe checks the debugging lab's own setting, gloo on the 
 @command
 def main(argv: list[str]) -> int:
     opts = parse_flags(argv, {"out_dir": "runs/detail_probe", "timeout_s": 10.0},
-                       "torchrun --standalone --nproc_per_node=2 -m ddp_course.course.l11_debugging_lab.detail_probe")
+                       "torchrun --standalone --nproc_per_node=2 -m ddp_course.course.l12_debugging_lab.detail_probe")
     rank = int(os.environ.get("RANK", 0))
     path = Path(opts["out_dir"]) / f"probe_rank{rank}.json"
     state = {"rank": rank, "debug_level": os.environ.get("TORCH_DISTRIBUTED_DEBUG", "OFF"),

@@ -1,6 +1,6 @@
 """Bug: every rank shuffles the data with the same seed. All ranks train on the same batches.
 
-    torchrun --standalone --nproc_per_node=2 -m ddp_course.course.l11_debugging_lab.broken.same_seed --out_dir=runs/broken/same_seed
+    torchrun --standalone --nproc_per_node=2 -m ddp_course.course.l12_debugging_lab.broken.same_seed --out_dir=runs/broken/same_seed
 
 A hand-written shuffle instead of a ``DistributedSampler``: each rank draws its batches from a
 ``torch.Generator`` seeded with the job's seed -- the same seed on every rank, so the same batches
@@ -28,12 +28,12 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddp_course.cli import command
-from ddp_course.course.l11_debugging_lab.broken._common import Record, cpu_setup, flags
+from ddp_course.course.l12_debugging_lab.broken._common import Record, cpu_setup, flags
 from ddp_course.data import prepare, train_sampler
 from ddp_course.dist import log
 from ddp_course.model import GPTConfig, MiniGPT
 
-PROG = "torchrun --standalone --nproc_per_node=2 -m ddp_course.course.l11_debugging_lab.broken.same_seed"
+PROG = "torchrun --standalone --nproc_per_node=2 -m ddp_course.course.l12_debugging_lab.broken.same_seed"
 
 
 def batches_for(variant: str, n: int, batch: int, steps: int, rank: int, world: int, seed: int) -> list[list[int]]:
