@@ -4,6 +4,7 @@
     python -m ddp_course run --nproc=2 --strategy=ddp --max_steps=100    a training job via torchrun
     python -m ddp_course bench NAME [--key=value]   a benchmark (python -m ddp_course bench --help)
     python -m ddp_course check NN PATH              grade an exercise script
+    python -m ddp_course check                      list every exercise and the command that grades it
     python -m ddp_course multinode --nnodes=2 --nproc=8 [-- TRAIN ARGS]   torchrun lines and a Slurm script
 """
 

@@ -122,14 +122,75 @@ def run_exercise(path: str | Path, nproc: int, what: str, timeout: float, *,
     return found
 
 
-def graders() -> dict[str, str]:
-    """{"NN": module} for the exercises that have a grader: ``ddp_course/course/lNN_<topic>/grader.py``."""
+@dataclass(frozen=True)
+class Exercise:
+    """One graded exercise script: its grader module and where a learner finds the script."""
+
+    name: str  # the script's stem, e.g. "09_zero1": `check 09_zero1 PATH` names it
+    lesson: str  # "09"
+    script: str  # "09_zero1.py", in lessons/exercises/ (answered in solutions/exercises/)
+    module: str  # "ddp_course.course.l09_fsdp.grader_zero1"
+
+    @property
+    def command(self) -> str:
+        """The command that grades the learner's copy, as the lesson notebook and README give it."""
+        return f"python -m ddp_course check {self.lesson} lessons/exercises/{self.script}"
+
+
+def _declared_script(path: Path) -> str | None:
+    """The ``EXERCISE = "NN_<name>.py"`` a grader module declares, read from its source (not imported)."""
+    import ast
+
+    for node in ast.parse(path.read_text(encoding="utf-8")).body:
+        if (isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == ["EXERCISE"]
+                and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)):
+            return node.value.value
+    return None
+
+
+@functools.cache
+def exercises() -> dict[str, Exercise]:
+    """Every graded exercise script, by name, in lesson order: each ``grader.py`` or ``grader_<x>.py``
+    of a lesson folder ``ddp_course/course/lNN_<topic>/`` that declares its script (``EXERCISE``)."""
     import importlib.util
 
     from ddp_course.course import lesson_folders
 
-    return {nn: f"{pkg}.grader" for nn, pkg in lesson_folders().items()
-            if importlib.util.find_spec(f"{pkg}.grader") is not None}
+    found = {}
+    for lesson, pkg in lesson_folders().items():
+        folder = Path(importlib.util.find_spec(pkg).origin).parent
+        for path in sorted(folder.glob("grader*.py")):
+            script = _declared_script(path)
+            if script is None:
+                raise RuntimeError(f"{path.name} in {pkg} declares no EXERCISE = \"{lesson}_<name>.py\"")
+            found[Path(script).stem] = Exercise(Path(script).stem, lesson, script, f"{pkg}.{path.stem}")
+    return found
+
+
+def graders() -> dict[str, str]:
+    """{exercise name: grader module}, e.g. {"09_zero1": "ddp_course.course.l09_fsdp.grader_zero1"}."""
+    return {name: ex.module for name, ex in exercises().items()}
+
+
+def resolve(name: str, path: str | Path | None = None) -> Exercise:
+    """The exercise ``name`` stands for: an exercise's name ("09_zero1") or a lesson's number ("09").
+
+    A lesson with several exercises is told apart by the graded file's name (``PATH`` of ``check 09
+    PATH``). A name that fits no exercise, or one that stays ambiguous, raises ValueError saying which
+    names there are.
+    """
+    known = exercises()
+    if name in known:
+        return known[name]
+    ours = [ex for ex in known.values() if ex.lesson == name]
+    by_file = [ex for ex in ours if path is not None and Path(path).name == ex.script]
+    if len(ours) == 1 or len(by_file) == 1:
+        return (by_file or ours)[0]
+    if ours:
+        raise ValueError(f"lesson {name} has {len(ours)} exercises; name the one to grade: "
+                         + " or ".join(f"check {ex.name} PATH" for ex in ours))
+    raise ValueError(f"no exercise {name!r}; the graded exercises are {', '.join(known)} "
+                     "(`python -m ddp_course check` lists them with their commands)")
 
 
 def is_stub(node) -> bool:
@@ -217,23 +278,24 @@ def _make_lessons():
 
 
 def exercise_reference(number: str, graded: str | Path | None = None) -> Reference | None:
-    """The shipped learner copy of exercise ``number``, or None when the repository is not there.
+    """The shipped learner copy of exercise ``number`` (see ``resolve``), or None when the repository
+    is not there.
 
-    Regenerated from ``solutions/exercises/NN_*.py`` with ``tools/make_lessons.py``'s own rewrite;
-    else ``lessons/exercises/NN_*.py`` unless that is the ``graded`` file itself.
+    Regenerated from ``solutions/exercises/<script>`` with ``tools/make_lessons.py``'s own rewrite;
+    else ``lessons/exercises/<script>`` unless that is the ``graded`` file itself.
     """
+    script = resolve(number, graded).script
     root = Path(__file__).resolve().parents[1]
-    solutions = sorted((root / "solutions" / "exercises").glob(f"{number}_*.py"))
-    tool = _make_lessons() if solutions else None
-    if solutions and tool is not None:
-        src = solutions[0]
+    src = root / "solutions" / "exercises" / script
+    tool = _make_lessons() if src.is_file() else None
+    if tool is not None:
         return Reference(tool.transform_source(src.read_text(encoding="utf-8"), str(src.relative_to(root))),
-                         f"lessons/exercises/{src.name}")
-    for copy in sorted((root / "lessons" / "exercises").glob(f"{number}_*.py")):
-        if graded is not None and Path(graded).is_file() and copy.resolve() == Path(graded).resolve():
-            return None
-        return Reference(copy.read_text(encoding="utf-8"), f"lessons/exercises/{copy.name}")
-    return None
+                         f"lessons/exercises/{script}")
+    copy = root / "lessons" / "exercises" / script
+    if not copy.is_file() or (graded is not None and Path(graded).is_file()
+                              and copy.resolve() == Path(graded).resolve()):
+        return None
+    return Reference(copy.read_text(encoding="utf-8"), f"lessons/exercises/{script}")
 
 
 def _defs(body: list, prefix: str = ""):
@@ -515,7 +577,8 @@ def check_harness(number: str, path: str | Path, editable: tuple[str, ...] = ())
 
 
 def grade(number: str, path: str | Path, **kwargs) -> Verdict:
-    """Run exercise ``number``'s grader (``grade`` in its lesson folder's ``grader.py``) on a script.
+    """Run the grader of exercise ``number`` (a lesson's number or an exercise's name, see ``resolve``)
+    on a script.
 
     Before any job starts: a script that still holds a TODO's stub gets its verdict at once, and so
     does a script whose part outside the TODOs differs from the shipped exercise (``check_harness``;
@@ -523,29 +586,70 @@ def grade(number: str, path: str | Path, **kwargs) -> Verdict:
     """
     import importlib
 
-    if number not in graders():
-        raise ValueError(f"no grader for exercise {number!r}; there are graders for {', '.join(graders())}")
+    exercise = resolve(number, path)
     path_ = Path(path)
     left = unfinished(path_.read_text(encoding="utf-8")) if path_.is_file() else []
     if left:
         what = left[0] if len(left) == 1 else ", ".join(left[:-1]) + " and " + left[-1]
         return not_complete(what, path, plural=len(left) > 1)
-    grader = importlib.import_module(graders()[number])
-    harness = check_harness(number, path, tuple(getattr(grader, "EDITABLE", ()))) if path_.is_file() else Verdict(True, "")
+    grader = importlib.import_module(exercise.module)
+    harness = (check_harness(exercise.name, path, tuple(getattr(grader, "EDITABLE", ()))) if path_.is_file()
+               else Verdict(True, ""))
     if not harness.ok:
         return harness
     verdict = grader.grade(path, **kwargs)
     return Verdict(verdict.ok, f"{verdict.message} {harness.message}") if harness.message else verdict
 
 
+def notebook_exercises() -> list[tuple[str, str]]:
+    """(lesson notebook, exercise heading) of every exercise done inside a notebook of ``lessons/``
+    (a cell that still raises the stub), each graded by the cell below it; [] without ``lessons/``."""
+    import json
+
+    found = []
+    for nb in sorted((Path(__file__).resolve().parents[1] / "lessons").glob("[0-9][0-9]_*.ipynb")):
+        heading = ""
+        for cell in json.loads(nb.read_text(encoding="utf-8"))["cells"]:
+            text = "".join(cell["source"])
+            if cell["cell_type"] == "markdown":
+                heading = next((line.lstrip("#").strip() for line in text.splitlines() if line.startswith("#")),
+                               heading)
+            elif STUB in text and (nb.name, heading) not in found:
+                found.append((nb.name, heading))
+    return found
+
+
+def listing() -> str:
+    """What ``python -m ddp_course check`` prints: every exercise, its lesson, how it is graded."""
+    from ddp_course.course import lesson_folders
+
+    topics = {nn: pkg.rsplit(".", 1)[1][4:] for nn, pkg in lesson_folders().items()}
+    lines = ["Exercise scripts (write the TODOs in lessons/exercises/, then run the command):", ""]
+    for ex in exercises().values():
+        lines.append(f"  {ex.lesson} {topics[ex.lesson]:<22} {ex.name:<22} {ex.command}")
+    inline = notebook_exercises()
+    if inline:
+        lines += ["", "Exercises inside the notebooks (the cell below each exercise grades it):", ""]
+        lines += [f"  {nb[:2]} {nb[3:-6]:<22} {heading}" for nb, heading in inline]
+    return "\n".join(lines)
+
+
 def main(argv: list[str]) -> int:
-    if len(argv) != 2 or argv[0] not in graders():
-        print(f"usage: python -m ddp_course check NN PATH   (NN one of {', '.join(graders())})")
+    if not argv:
+        print(listing())
+        return 0
+    if len(argv) != 2:
+        print("usage: python -m ddp_course check NN PATH   (python -m ddp_course check, alone, lists the exercises)")
+        return 2
+    try:
+        resolve(argv[0], argv[1])
+    except ValueError as exc:
+        print(f"error: {exc}")
         return 2
     path = Path(argv[1])
     if not path.is_file():
         print(f"error: {path} is not a file. Give the path of your exercise script, e.g. "
-              f"lessons/exercises/01_global_val_loss.py")
+              f"{resolve(argv[0], argv[1]).command.split()[-1]}")
         return 2
     verdict = grade(argv[0], path)
     print(verdict)

@@ -21,20 +21,20 @@ from ddp_course import check
 
 ml = make_lessons()
 
-EXERCISES = {p.name[:2]: p.name for p in sorted((ROOT / "solutions" / "exercises").glob("*.py"))}
+EXERCISES = {p.stem: p.name for p in sorted((ROOT / "solutions" / "exercises").glob("*.py"))}  # by exercise name
 GRADED = "graded by the lesson's grader"
 
 
 @pytest.fixture(scope="module")
 def answered(tmp_path_factory) -> dict:
-    """{"NN": path} of each exercise as a learner who completed it has it (answers in, markers out)."""
+    """{exercise name: path} of each exercise as a learner who completed it has it (answers in, markers out)."""
     out = tmp_path_factory.mktemp("learner")
     written = {}
     for path, text in ml.targets(ROOT, out, answered=True).items():
         if path.suffix == ".py":
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(text, encoding="utf-8")
-            written[path.name[:2]] = path
+            written[path.stem] = path
     return written
 
 
@@ -72,18 +72,18 @@ def test_answered_solution_keeps_the_harness_and_reaches_its_grader(number, answ
 
 # (exercise, text of the answered copy, what replaces it, what the verdict must name)
 DOCTORED = [
-    pytest.param("09", "MICRO_BATCH_SIZE, STEPS, LR, SEED = 4, 4, 1e-3, 0", "MICRO_BATCH_SIZE, STEPS, LR, SEED = 4, 0, 1e-3, 0",
+    pytest.param("09_fsdp", "MICRO_BATCH_SIZE, STEPS, LR, SEED = 4, 4, 1e-3, 0", "MICRO_BATCH_SIZE, STEPS, LR, SEED = 4, 0, 1e-3, 0",
                  "MICRO_BATCH_SIZE, STEPS, LR, SEED", id="09-no-training-steps"),
-    pytest.param("01", "ok = abs(result - ref.item()) < 1e-6", "ok = True", "main()", id="01-own-ok-forced"),
-    pytest.param("01", '"reference": ref.item(),', '"reference": result,', "main()", id="01-own-reference-forced"),
-    pytest.param("04", 'sys.stdout.write(f"RESULT {result}\\n")',
+    pytest.param("01_global_val_loss", "ok = abs(result - ref.item()) < 1e-6", "ok = True", "main()", id="01-own-ok-forced"),
+    pytest.param("01_global_val_loss", '"reference": ref.item(),', '"reference": result,', "main()", id="01-own-reference-forced"),
+    pytest.param("04_ddp_convert", 'sys.stdout.write(f"RESULT {result}\\n")',
                  'sys.stdout.write(f"RESULT {result}\\n".replace(\'"world_size": 1\', \'"world_size": 2\'))',
                  "main()", id="04-result-line-edited"),
-    pytest.param("02", "SIZES = (1, 3, 4, 10, 1000, 4099)", "SIZES = (4,)", "SIZES", id="02-only-easy-sizes"),
-    pytest.param("02", "        self.messages += 1\n", "        self.messages = 2 * (self.world_size - 1)\n",
+    pytest.param("02_ring_allreduce", "SIZES = (1, 3, 4, 10, 1000, 4099)", "SIZES = (4,)", "SIZES", id="02-only-easy-sizes"),
+    pytest.param("02_ring_allreduce", "        self.messages += 1\n", "        self.messages = 2 * (self.world_size - 1)\n",
                  "class Ring", id="02-message-count-forged"),
-    pytest.param("06", '"cases": cases, "ok": ok}', '"cases": cases, "ok": True}', "main()", id="06-result-ok-forced"),
-    pytest.param("08", '"reference": reference})', '"reference": run})', "main()", id="08-reference-is-the-run"),
+    pytest.param("06_no_sync", '"cases": cases, "ok": ok}', '"cases": cases, "ok": True}', "main()", id="06-result-ok-forced"),
+    pytest.param("08_save_load", '"reference": reference})', '"reference": run})', "main()", id="08-reference-is-the-run"),
 ]
 
 
@@ -100,54 +100,54 @@ def test_a_changed_harness_is_refused_before_the_grader_runs(number, old, new, n
 
 
 def test_formatting_comments_and_docstrings_may_differ(answered, graders, tmp_path):
-    src = answered["06"].read_text()
+    src = answered["06_no_sync"].read_text()
     tree = ast.parse(src)
     tree.body[0].value.value = "My notes on exercise 06."  # the module docstring
     path = tmp_path / "06_no_sync.py"
     path.write_text("# my copy\n\n" + ast.unparse(tree).replace("\n", "\n\n"))  # no comments, other layout
-    assert check.grade("06", path).message == GRADED
+    assert check.grade("06_no_sync", path).message == GRADED
 
 
 def test_imports_and_helpers_may_be_added_but_not_rebind_what_the_harness_uses(answered, graders, tmp_path):
     extra = ("import contextlib\nimport torch.distributed as dist\nimport torch.nn\nfrom ddp_course.dist import log\n"
              "import math\n\n\ndef _scale(loss, n):\n    return loss / n\n")
-    path, _ = doctored(answered, tmp_path, "06", "import contextlib\n", extra)
-    assert check.grade("06", path).message == GRADED
+    path, _ = doctored(answered, tmp_path, "06_no_sync", "import contextlib\n", extra)
+    assert check.grade("06_no_sync", path).message == GRADED
     graders.clear()
     for added, why in (("from json import loads as lab", "it rebinds lab, which the harness uses"),
                        ("from os import *", "a `*` import may rebind any name"),
                        ("def main():\n    pass", "it redefines main, which the harness uses"),
                        ("SEED = 1", "`SEED = 1`, is not in the course's copy"),
                        ("torch.manual_seed(1)", "only imports and helper functions may be added outside the TODO")):
-        path, line = doctored(answered, tmp_path, "06", "\n\ndef accumulate(", f"\n\n{added}\n\n\ndef accumulate(")
-        verdict = check.grade("06", path)
+        path, line = doctored(answered, tmp_path, "06_no_sync", "\n\ndef accumulate(", f"\n\n{added}\n\n\ndef accumulate(")
+        verdict = check.grade("06_no_sync", path)
         assert not verdict.ok and graders == [] and why in verdict.message, (added, verdict)
 
 
 def test_a_missing_statement_is_named_with_the_course_line(answered, graders, tmp_path):
-    path, _ = doctored(answered, tmp_path, "08", "import hashlib\n", "")
-    verdict = check.grade("08", path)
+    path, _ = doctored(answered, tmp_path, "08_save_load", "import hashlib\n", "")
+    verdict = check.grade("08_save_load", path)
     assert not verdict.ok and "import hashlib (line " in verdict.message and "is missing" in verdict.message, verdict
-    path, _ = doctored(answered, tmp_path, "02", "def ring_all_reduce(x: torch.Tensor, ring: Ring) -> None:",
+    path, _ = doctored(answered, tmp_path, "02_ring_allreduce", "def ring_all_reduce(x: torch.Tensor, ring: Ring) -> None:",
                        "def ring_all_reduce(x: torch.Tensor, ring: Ring, check=None) -> None:")
-    verdict = check.grade("02", path)  # the answer's body is free, not its signature
+    verdict = check.grade("02_ring_allreduce", path)  # the answer's body is free, not its signature
     assert not verdict.ok and "ring_all_reduce() differs at line" in verdict.message, verdict
 
 
 def test_the_settings_exercise_04_invites_to_change_may_change_but_stay_plain_values(answered, graders, tmp_path):
-    path, _ = doctored(answered, tmp_path, "04", "STEPS = 18", "STEPS = 24")
-    assert check.grade("04", path).message == GRADED
-    path, _ = doctored(answered, tmp_path, "04", '"n_embd": 64}', '"n_embd": 32}')
-    assert check.grade("04", path).message == GRADED
+    path, _ = doctored(answered, tmp_path, "04_ddp_convert", "STEPS = 18", "STEPS = 24")
+    assert check.grade("04_ddp_convert", path).message == GRADED
+    path, _ = doctored(answered, tmp_path, "04_ddp_convert", '"n_embd": 64}', '"n_embd": 32}')
+    assert check.grade("04_ddp_convert", path).message == GRADED
     for old, new in (("STEPS = 18", 'STEPS = int("0")'), ("STEPS = 18", "STEPS = 18.0"),
                      ('"n_embd": 64}', '"n_embd": 64, "dropout": 0.5}')):
-        path, line = doctored(answered, tmp_path, "04", old, new)
-        verdict = check.grade("04", path)
+        path, line = doctored(answered, tmp_path, "04_ddp_convert", old, new)
+        verdict = check.grade("04_ddp_convert", path)
         assert not verdict.ok and f"at line {line} of your file" in verdict.message and \
             "must stay a plain value of the same kind" in verdict.message, verdict
     # in exercise 09 the grader reads the settings from the file: they are part of the harness
-    path, _ = doctored(answered, tmp_path, "09", "SEED = 4, 4, 1e-3, 0", "SEED = 4, 8, 1e-3, 0")
-    assert not check.grade("09", path).ok
+    path, _ = doctored(answered, tmp_path, "09_fsdp", "SEED = 4, 4, 1e-3, 0", "SEED = 4, 8, 1e-3, 0")
+    assert not check.grade("09_fsdp", path).ok
 
 
 def test_grader_04_refuses_fewer_than_two_epochs(monkeypatch, tmp_path):
@@ -179,14 +179,40 @@ def test_a_top_level_todo_leaves_its_statements_free():
 
 def test_without_a_shipped_copy_the_verdict_says_the_harness_was_not_compared(answered, graders, monkeypatch):
     monkeypatch.setattr(check, "exercise_reference", lambda number, graded=None: None)
-    verdict = check.grade("01", answered["01"])
+    verdict = check.grade("01_global_val_loss", answered["01_global_val_loss"])
     assert verdict.ok and verdict.message.startswith(GRADED) and "was not compared" in verdict.message, verdict
 
 
 def test_the_reference_is_never_the_graded_file_itself(monkeypatch):
-    lessons = ROOT / "lessons" / "exercises" / EXERCISES["01"]
-    ref = check.exercise_reference("01", lessons)
-    assert ref.shown == f"lessons/exercises/{EXERCISES['01']}" and ref.source == lessons.read_text()
+    lessons = ROOT / "lessons" / "exercises" / EXERCISES["01_global_val_loss"]
+    ref = check.exercise_reference("01_global_val_loss", lessons)
+    assert ref.shown == f"lessons/exercises/{EXERCISES['01_global_val_loss']}" and ref.source == lessons.read_text()
     monkeypatch.setattr(check, "_make_lessons", lambda: None)  # no tools/: the lessons/ copy is the reference...
-    assert check.exercise_reference("01", ROOT / "solutions" / "exercises" / EXERCISES["01"]).source == lessons.read_text()
-    assert check.exercise_reference("01", lessons) is None  # ...except for itself (edited in place)
+    assert check.exercise_reference("01_global_val_loss", ROOT / "solutions" / "exercises" / EXERCISES["01_global_val_loss"]).source == lessons.read_text()
+    assert check.exercise_reference("01_global_val_loss", lessons) is None  # ...except for itself (edited in place)
+
+
+def test_every_exercise_script_has_one_grader_and_the_listing_gives_its_command(capsys):
+    scripts = {p.name for p in (ROOT / "solutions" / "exercises").glob("[0-9][0-9]_*.py")}
+    declared = [ex.script for ex in check.exercises().values()]
+    assert sorted(declared) == sorted(scripts)  # one grader per script, none without a script
+    assert check.main([]) == 0
+    shown = capsys.readouterr().out
+    for ex in check.exercises().values():
+        assert (ROOT / "lessons" / "exercises" / ex.script).is_file(), ex
+        assert ex.command in shown and ex.command == f"python -m ddp_course check {ex.lesson} lessons/exercises/{ex.script}"
+    for notebook, heading in check.notebook_exercises():  # and the exercises done inside a notebook
+        assert heading in shown, (notebook, heading)
+
+
+def test_a_lesson_number_names_its_exercise_and_a_bad_name_says_which_there_are(capsys, tmp_path):
+    for ex in check.exercises().values():
+        assert check.resolve(ex.lesson, f"lessons/exercises/{ex.script}") == ex  # the path tells a lesson's apart
+        assert check.resolve(ex.name, tmp_path / "mine.py") == ex
+    with pytest.raises(ValueError, match="no exercise '99'.*python -m ddp_course check"):
+        check.resolve("99")
+    assert check.main(["99", "x.py"]) == 2 and "error: no exercise '99'" in capsys.readouterr().out
+    lessons = [ex.lesson for ex in check.exercises().values()]
+    for lesson in {n for n in lessons if lessons.count(n) > 1}:  # several in one lesson: a file named otherwise
+        with pytest.raises(ValueError, match=f"lesson {lesson} has .* exercises; name the one"):
+            check.resolve(lesson, tmp_path / "mine.py")

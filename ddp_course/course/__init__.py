@@ -6,7 +6,8 @@ A lesson folder holds everything its notebook runs beyond the core (``ddp_course
 - its torchrun-launchable lab programs (each module's docstring gives its command);
 - ``figures.py``: the figures the notebook draws;
 - ``bench_<name>.py``: benchmarks, run as ``python -m ddp_course.bench <name>``;
-- ``grader.py``: the grader of exercise NN, run as ``python -m ddp_course check NN``.
+- ``grader.py`` (``grader_<name>.py`` for a second one): the grader of the exercise script it declares
+  (``EXERCISE``), run as ``python -m ddp_course check NN PATH``.
 
 ``plots.py`` here holds the figures several lessons share (loss curves, bar charts). The core never
 imports from this package (``tests/test_architecture.py`` checks it); see ``docs/ARCHITECTURE.md``.

@@ -10,6 +10,8 @@ import torch.nn.functional as F
 
 from ddp_course.check import Verdict, not_complete, run_exercise
 
+EXERCISE = "01_global_val_loss.py"  # the script this grades: lessons/exercises/01_global_val_loss.py
+
 
 def grade(path: str | Path, timeout: float = 180) -> Verdict:
     """global_mean must give every rank the mean over all windows (2 and 3 ranks)."""

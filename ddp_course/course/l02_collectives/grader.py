@@ -15,6 +15,8 @@ from pathlib import Path
 
 from ddp_course.check import Verdict, run_exercise
 
+EXERCISE = "02_ring_allreduce.py"  # the script this grades: lessons/exercises/02_ring_allreduce.py
+
 WORLD_SIZES = (2, 4)
 
 

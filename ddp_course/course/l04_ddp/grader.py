@@ -18,6 +18,8 @@ import torch
 
 from ddp_course.check import Verdict, last_lines, run_exercise
 
+EXERCISE = "04_ddp_convert.py"  # the script this grades: lessons/exercises/04_ddp_convert.py
+
 NPROC = 2
 # The settings the exercise invites the learner to change ("Changing these is fine": the grader reads
 # them from the RESULT lines); check.grade lets them take other literal values of the same kind.

@@ -18,6 +18,8 @@ from pathlib import Path
 
 from ddp_course.check import Verdict, run_exercise
 
+EXERCISE = "06_no_sync.py"  # the script this grades: lessons/exercises/06_no_sync.py
+
 NPROC = 2
 # what the exercise's harness runs: (name, micro-batch indices, use_no_sync), and its data
 EXPECTED_CASES = [("K=4 with no_sync", [0, 1, 2, 3], True), ("K=4 without no_sync", [0, 1, 2, 3], False),

@@ -34,6 +34,8 @@ from typing import Any
 from ddp_course.check import Verdict, last_lines, not_complete, results
 from ddp_course.cli import command, parse_flags
 
+EXERCISE = "08_save_load.py"  # the script this grades: lessons/exercises/08_save_load.py
+
 NPROC = 2
 MAX_STEPS, CKPT_STEP, FAIL_AT_STEP = 12, 6, 9
 # torch 2.x: restarted workers would find the first attempt's addresses in torchrun's shared store

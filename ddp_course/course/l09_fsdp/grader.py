@@ -20,6 +20,8 @@ from pathlib import Path
 
 from ddp_course.check import Verdict, run_exercise
 
+EXERCISE = "09_fsdp.py"  # the script this grades: lessons/exercises/09_fsdp.py
+
 NPROC = 2
 BALANCE_TOL = 0.05  # vocabulary rows (65) do not split evenly: a few hundred bytes of ~70 kB
 NORM_RTOL = 1e-5  # one process on the global batch vs 2 ranks averaging: last-bit differences, ~1e-7
