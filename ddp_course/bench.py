@@ -24,7 +24,6 @@ import importlib.util
 import inspect
 import os
 import pkgutil
-import re
 import statistics
 import sys
 from collections.abc import Callable
@@ -44,7 +43,7 @@ class BenchError(RuntimeError):
 
 
 class OptionError(BenchError, FlagError):
-    """A bad option of a benchmark, found before it starts: it exits with its ``usage_exit`` code."""
+    """A bad option of a benchmark, found before it starts: it exits 2, the course's answer to bad input."""
 
 
 @dataclass(frozen=True)
@@ -60,7 +59,6 @@ class Bench:
     doc: str
     check: Callable[[dict[str, Any]], None] | None = None
     worker: Callable[[dict[str, Any]], None] | None = None
-    usage_exit: int = 2
 
 
 BENCHES: dict[str, Bench] = {}
@@ -69,12 +67,11 @@ WORKER = {"worker": (False, "internal: run as one process of a job (set by the b
           "out_dir": ("", "internal: where a job's processes write their result")}
 
 
-def bench(name: str, *, check: Callable | None = None, worker: Callable | None = None, usage_exit: int = 2,
+def bench(name: str, *, check: Callable | None = None, worker: Callable | None = None,
           **options: tuple[Any, str]) -> Callable:
     """Register ``fn`` as benchmark ``name``; options are ``key=(default, help)``.
 
-    ``worker`` adds the internal options ``--worker`` and ``--out_dir``; ``usage_exit`` is the exit code
-    of a bad option (2, the course's answer to bad input; some benchmarks have always exited 1).
+    ``worker`` adds the internal options ``--worker`` and ``--out_dir``.
     """
     def register(fn: Callable) -> Callable:
         spec = {**options, **COMMON, **(WORKER if worker else {})}
@@ -82,7 +79,7 @@ def bench(name: str, *, check: Callable | None = None, worker: Callable | None =
         fn_doc = inspect.cleandoc(fn.__doc__ or "")
         doc = module_doc if fn_doc in module_doc or "\n" not in fn_doc else f"{module_doc}\n\n{fn_doc}"
         BENCHES[name] = Bench(name, fn, {k: v[0] for k, v in spec.items()}, {k: v[1] for k, v in spec.items()},
-                              doc, check, worker, usage_exit)
+                              doc, check, worker)
         return fn
     return register
 
@@ -134,8 +131,7 @@ def parse_options(b: Bench | str, argv: list[str]) -> dict[str, Any]:
     try:
         opts = parse_flags(argv, b.defaults, prog=f"python -m ddp_course.bench {b.name}")
     except FlagError as exc:
-        # "--rounds expects int", as the benchmarks have always said it (cli writes "expects a int")
-        raise OptionError(re.sub(r" expects an? (\w+) ", r" expects \1 ", str(exc))) from None
+        raise OptionError(str(exc)) from None
     if b.check is not None:
         b.check(opts)
     return opts
@@ -316,7 +312,7 @@ def run(name: str, **overrides: Any) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m ddp_course.bench [NAME [--key=value ...]]``: 0 when done (and not FAIL), 1 on FAIL or
-    when the benchmark cannot run, the benchmark's ``usage_exit`` (2) on a bad option."""
+    when the benchmark cannot run, 2 on a bad option."""
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(usage())
@@ -336,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
         opts = parse_options(b, rest)
     except OptionError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return b.usage_exit
+        return 2
     try:
         if opts.get("worker"):
             b.worker(opts)

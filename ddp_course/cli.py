@@ -57,9 +57,14 @@ def parse_flags(argv: list[str], defaults: dict[str, Any], prog: str, *, doc: st
         try:
             values[key] = convert(value, type(default))
         except ValueError:
-            raise FlagError(f"{prog}: --{key} expects a {type(default).__name__} (got {value!r}), "
+            raise FlagError(f"{prog}: --{key} expects {type_word(type(default))} (got {value!r}), "
                             f"e.g. --{key}={default}.") from None
     return values
+
+
+def type_word(typ: type) -> str:
+    """How a message names what a flag of type ``typ`` expects: "an integer", "a number", ..."""
+    return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(typ, typ.__name__)
 
 
 def convert(value: str, typ: type) -> Any:

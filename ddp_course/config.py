@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ddp_course.cli import FlagError, close_keys, convert
+from ddp_course.cli import FlagError, close_keys, convert, type_word
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 DEVICES = ("auto", "cpu", "cuda")
@@ -186,17 +186,12 @@ def _unknown_key(key: str) -> ConfigError:
     return ConfigError(f"Unknown option --{key}.{hint} Run `python -m ddp_course.train --help` for every option.")
 
 
-def _type_name(typ: type) -> str:
-    return "an integer" if typ is int else "a number" if typ is float else typ.__name__
-
-
 def _from_text(key: str, typ: type, value: str) -> Any:
     """A command-line string as the field's type (the same conversion as every ``--key=value`` parser)."""
     try:
         return convert(value.strip(), typ)
     except ValueError:
-        wanted = "true or false" if typ is bool else _type_name(typ)
-        raise ConfigError(f"--{key} expects {wanted} (got {value!r}).") from None
+        raise ConfigError(f"--{key} expects {type_word(typ)} (got {value!r}).") from None
 
 
 def _from_python(key: str, typ: type, value: Any) -> Any:
@@ -211,7 +206,7 @@ def _from_python(key: str, typ: type, value: Any) -> Any:
         return value
     if typ is str and hasattr(value, "__fspath__"):
         return str(value)
-    raise ConfigError(f"--{key} expects {typ.__name__}, got {type(value).__name__} {value!r}.")
+    raise ConfigError(f"--{key} expects {type_word(typ)}, got {type(value).__name__} {value!r}.")
 
 
 def coerce(key: str, value: Any) -> Any:

@@ -194,9 +194,9 @@ def test_amp_bench_tiny(tmp_path, one_thread):
 def test_amp_bench_refuses_bad_options(capsys):
     from ddp_course.course.l07_mixed_precision import bench_amp as amp_bench
 
-    assert amp_bench.main(["--n_embed=64"]) == 1
+    assert amp_bench.main(["--n_embed=64"]) == 2
     assert "unknown option --n_embed" in capsys.readouterr().err
-    assert amp_bench.main(["--precisions=fp8"]) == 1
+    assert amp_bench.main(["--precisions=fp8"]) == 2
     assert "each must be fp32, bf16 or fp16" in capsys.readouterr().err
     assert amp_bench.main(["--help"]) == 0
     assert "--precisions=fp32,bf16,fp16" in capsys.readouterr().out

@@ -72,7 +72,7 @@ def test_cli_lists_benchmarks_and_refuses_unknown_keys(capsys, tmp_path):
     err = capsys.readouterr().err
     assert "unknown option --nlayer" in err and "--n_layer" in err
     assert bench.main(["overhead", "--rounds=many"]) == 2
-    assert "--rounds expects int" in capsys.readouterr().err
+    assert "--rounds expects an integer" in capsys.readouterr().err
     assert bench.main(["nope"]) == 2
     assert "unknown benchmark 'nope'" in capsys.readouterr().err
     assert bench.main(["ddp_vs_threads", "--batch=7", f"--out={tmp_path}"]) == 1  # checked before any launch

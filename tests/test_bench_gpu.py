@@ -65,7 +65,7 @@ def test_gpu_bench_option_errors(capsys, tmp_path):
              ("--compile=maybe", 1, "choose one of auto, both, on, off"),
              ("--scale=huge", 1, "--scale='huge'"), ("--warmup=0", 1, "--warmup must be at least 1"),
              ("--steps=-1", 1, "--steps must be 0 or more"), ("--stepz=3", 2, "Did you mean --steps"),
-             ("--repeats=x", 2, "--repeats expects int")]
+             ("--repeats=x", 2, "--repeats expects an integer")]
     for arg, code, message in cases:
         assert bench.main(["gpu", arg, f"--out={tmp_path}"]) == code, arg
         assert message in capsys.readouterr().err, arg

@@ -46,7 +46,7 @@ def test_without_the_guard_the_workers_outlive_the_interpreter(tmp_path):
 @pytest.mark.parametrize("argv, message", [
     (["--jobs=train,nope"], "unknown job"),
     (["--launches=0"], "at least 1"),
-    (["--launches=x"], "expects int"),
+    (["--launches=x"], "expects an integer"),
 ])
 def test_clean_exit_bench_refuses_bad_options(argv, message, capsys):
     assert bench.main(["clean_exit", *argv]) in (1, 2)

@@ -101,7 +101,7 @@ def test_wrong_type_is_refused_with_the_expected_type(argv, words):
 
 
 def test_from_dict_refuses_wrong_python_types_and_unknown_keys():
-    with pytest.raises(ConfigError, match="--max_steps expects int"):
+    with pytest.raises(ConfigError, match="--max_steps expects an integer, got float"):
         from_dict({"max_steps": 2.5})
     with pytest.raises(ConfigError, match="Did you mean --max_steps"):
         from_dict({"max_step": 3})

@@ -59,7 +59,7 @@ def test_ring_bytes_and_flags():
     assert ddp_common.ring_bytes_sent("allgather_base", 1000, 4) == 3000
     with pytest.raises(FlagError, match="Did you mean --steps"):
         parse_flags(["--stepz=3"], {"steps": 1}, prog="x")
-    with pytest.raises(FlagError, match="expects a int"):
+    with pytest.raises(FlagError, match="expects an integer"):
         parse_flags(["--steps=many"], {"steps": 1}, prog="x")
 
 

@@ -108,7 +108,7 @@ def test_bench_refuses_bad_options(capsys):
         bench_no_sync.parse_options(["--ks=1,two"])
     with pytest.raises(bench_no_sync.BenchError, match="at least 1"):
         bench_no_sync.parse_options(["--world_sizes=0,2"])
-    assert bench_no_sync.main(["--steps=0"]) == 1
+    assert bench_no_sync.main(["--steps=0"]) == 2
     assert "error: --steps must be at least 1" in capsys.readouterr().err
 
 

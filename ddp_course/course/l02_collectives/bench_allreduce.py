@@ -177,7 +177,7 @@ def _fmt_bytes(b: float) -> str:
     return f"{b} B"
 
 
-@harness.bench(NAME, check=_check, worker=worker, usage_exit=1,
+@harness.bench(NAME, check=_check, worker=worker,
                world_sizes=("2,4", "processes per job (comma-separated); each is one torchrun job"),
                min_bytes=(256, "smallest message, bytes per rank (rounded up to whole float32 elements)"),
                max_bytes=(64 * 2**20, "largest message, bytes per rank"),

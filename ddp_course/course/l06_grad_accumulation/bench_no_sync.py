@@ -153,7 +153,7 @@ def worker(opts: dict[str, Any]) -> None:
 # --------------------------------------------------------------------------------------------------
 # the bench: one job per world size, then the table
 
-@harness.bench(NAME, check=_check, worker=worker, usage_exit=1,
+@harness.bench(NAME, check=_check, worker=worker,
                ks=("1,2,4,8", "micro-batches per optimizer step to try (comma-separated)"),
                world_sizes=("1,2", "processes per job to try (comma-separated); each is one torchrun job"),
                rounds=(5, "timed rounds; each times every K in both modes, modes in alternating order"),

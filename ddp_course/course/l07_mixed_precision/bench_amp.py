@@ -276,7 +276,7 @@ def measure_memory(opts: dict[str, Any], label: str, device) -> dict[str, Any]:
 # --------------------------------------------------------------------------------------------------
 # the bench
 
-@harness.bench(NAME, check=_check, worker=child_memory, usage_exit=1, **OPTIONS)
+@harness.bench(NAME, check=_check, worker=child_memory, **OPTIONS)
 def run_bench(opts: dict[str, Any]) -> dict[str, Any]:
     """Run with parsed options; prints the table and returns what it writes to ``<out>/amp.json``."""
     if opts["threads"]:

@@ -46,7 +46,7 @@ def _check(opts: dict[str, Any]) -> None:
     harness.choice(opts, "backend", ("inductor", "aot_eager", "eager"))
 
 
-@harness.bench(NAME, check=_check, usage_exit=1,
+@harness.bench(NAME, check=_check,
                nproc=(2, "DDP processes"),
                backend=("inductor", "inductor | aot_eager | eager"),
                cold=(True, "true: an empty inductor cache for this run; false: the user's cache"),

@@ -111,7 +111,7 @@ def measure(loader_kwargs: dict[str, Any], ds: Dataset, order: list[int], opts: 
             "first_batch_each_epoch_s": first}
 
 
-@harness.bench(NAME, check=_check, usage_exit=1,
+@harness.bench(NAME, check=_check,
                batches=(8, "timed batches per configuration and round (after the first)"),
                rounds=(3, "rounds; each measures every configuration, in a rotated order; medians are reported"),
                batch_size=(8, "sequences per batch"), block_size=(64, "tokens per sequence"),

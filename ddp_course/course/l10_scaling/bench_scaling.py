@@ -234,7 +234,7 @@ def worker(opts: dict[str, Any]) -> None:
 # --------------------------------------------------------------------------------------------------
 # the bench: one job per process count, then the table
 
-@harness.bench(NAME, check=_check, worker=worker, usage_exit=1, **OPTIONS)
+@harness.bench(NAME, check=_check, worker=worker, **OPTIONS)
 def run_bench(opts: dict[str, Any]) -> dict[str, Any]:
     """Run the bench with parsed options; returns the result written to ``<out>/scaling.json``."""
     from ddp_course.dist import cpu_count
