@@ -32,3 +32,17 @@ def test_mean_of_means_fails(tmp_path):
 def test_learner_copy_is_not_yet_done():
     verdict = grade("01", ROOT / "lessons" / "exercises" / "01_global_val_loss.py", timeout=120)
     assert not verdict.ok and "TODO" in verdict.message
+
+
+def test_the_grader_trusts_its_own_mean_not_the_scripts_claims(monkeypatch):
+    """A script that says ok and reports its own result as the reference still fails: the grader
+    compares every rank's result with the mean it computes itself (no job starts here)."""
+    from ddp_course.course.l01_minigpt import grader
+
+    want = grader.reference_mean()
+    forged = [{"rank": r, "result": want + 1e-3, "reference": want + 1e-3, "ok": True} for r in range(2)]
+    monkeypatch.setattr(grader, "run_exercise", lambda *a, **k: forged)
+    verdict = grader.grade("01_global_val_loss.py")
+    assert not verdict.ok and f"the mean over all windows is {want:.6f}" in verdict.message
+    monkeypatch.setattr(grader, "run_exercise", lambda *a, **k: [dict(x, result=want) for x in forged])
+    assert grader.grade("01_global_val_loss.py").ok
