@@ -66,6 +66,11 @@ _REFUSALS = {
     "prefetch_factor option could only be specified in multiprocessing": (
         "DataLoader refused prefetch_factor without workers: it is the number of batches each worker prepares "
         "ahead, so it needs num_workers of 1 or more."),
+    "has no attribute 'set_epoch'": (
+        "start_epoch() called set_epoch on a sampler that has no such method (AttributeError: ... has no attribute "
+        "'set_epoch'): the loader has no DistributedSampler, so every rank would read the whole dataset. Give the "
+        "DataLoader a DistributedSampler(dataset, num_replicas=world_size, rank=rank, seed=SEED) through sampler=..., "
+        "and call its set_epoch in start_epoch()."),
 }
 
 
