@@ -1,0 +1,188 @@
+"""Exercise 10's grader accepts the tuned loader and rejects each classic mistake of a distributed
+input pipeline, naming it.
+
+Real 2-rank jobs (about 8 s each) for the answer and for the mistakes that only a run shows: no
+workers and workers that are not persistent (the measured speedup), no DistributedSampler (every
+rank reads everything), ``shuffle=True`` beside the sampler (DataLoader raises). Each wrong attempt
+is the answered solution with a function body replaced (``tests/harness.py``). The mistakes that
+change which samples a rank reads, but not how fast (no ``set_epoch``, overlapping shards, the
+default seed, ...), go through the same diagnosis on the answer's own records, altered the way
+the mistake leaves them.
+
+Measured on the course's 2-core machine under a load average of 2.7-4 (speedup of the epochs after
+the first, each rank; the grader's target, ``SPEEDUP_TARGET``, is 2.0x):
+- the answer (4 persistent workers), 8 runs: 3.0x-3.6x;
+- no workers, 4 runs: 0.99x-1.01x;
+- 4 workers, not persistent, 3 runs: 0.55x-0.72x;
+- 2 persistent workers, 2 runs: 1.89x-1.94x (2 workers at best halve the time).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+from harness import ROOT, answered_exercise, exercise_attempt
+
+from ddp_course.check import NOT_COMPLETE, replace_function_body
+from ddp_course.course.l10_scaling import grader
+from ddp_course.course.l10_scaling.slow_storage import fingerprint, sample
+
+NAME = "10_dataloader.py"
+SAMPLER = "    sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=SEED)\n"
+
+
+@pytest.fixture(scope="module")
+def graded(tmp_path_factory):
+    """The answered exercise graded once, with ``out_dir``: its verdict, its RESULT rows, its folder."""
+    tmp = tmp_path_factory.mktemp("g10")
+    path = tmp / "10_answered.py"
+    path.write_text(answered_exercise(NAME))
+    seen, collect = {}, grader.collect
+
+    def keep(*args, **kwargs):  # the rows the grader diagnosed, for the crafted mistakes below
+        seen["found"] = collect(*args, **kwargs)
+        return seen["found"]
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(grader, "collect", keep)
+        verdict = grader.grade(path, timeout=120, out_dir=tmp / "run")
+    return verdict, seen.get("found"), tmp / "run"
+
+
+@pytest.mark.timeout(180)
+def test_solution_passes_with_its_timings_kept(graded):
+    import json
+
+    verdict, found, out = graded
+    assert verdict.ok, verdict.message
+    assert f"target {grader.SPEEDUP_TARGET:.1f}x" in verdict.message  # the verdict states what it compared against
+    kept = json.loads((out / "grading.json").read_text())
+    assert kept["ok"] and kept["target"] == grader.SPEEDUP_TARGET and len(kept["ranks"]) == grader.NPROC
+    assert all(r["speedup"] >= grader.SPEEDUP_TARGET and not r["restarted"] for r in kept["ranks"])
+
+
+def _answered_with(tmp_path, bodies: dict[str, str]):
+    path = exercise_attempt(tmp_path, NAME, *next(iter(bodies.items())))
+    for function, body in list(bodies.items())[1:]:
+        path.write_text(replace_function_body(path.read_text(), function, body))
+    return path
+
+
+MISTAKES = {
+    "no workers": ({"make_loader": SAMPLER + "    return DataLoader(dataset, batch_size=batch_size, sampler=sampler)\n"},
+                   ("too slow", "num_workers=0", f"target {grader.SPEEDUP_TARGET:.1f}x")),
+    "workers, not persistent": ({"make_loader": SAMPLER + "    return DataLoader(dataset, batch_size=batch_size, "
+                                                          "sampler=sampler, num_workers=4)\n"},
+                                ("too slow", "new worker processes in every epoch", "persistent_workers=True")),
+    # without a sampler there is no set_epoch to call either: the learner leaves start_epoch empty
+    "no DistributedSampler": ({"make_loader": "    return DataLoader(dataset, batch_size=batch_size, shuffle=True, "
+                                              "num_workers=4, persistent_workers=True)\n",
+                               "start_epoch": "    pass\n"},
+                              ("read the whole dataset", "every rank reads everything", "DistributedSampler")),
+    "shuffle=True beside the sampler": ({"make_loader": SAMPLER + "    return DataLoader(dataset, batch_size=batch_size, "
+                                                                 "sampler=sampler, shuffle=True, num_workers=4, "
+                                                                 "persistent_workers=True)\n"},
+                                        ("mutually exclusive with shuffle", "no shuffle argument")),
+}
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("mistake", list(MISTAKES))
+def test_classic_mistake_is_rejected_and_named(mistake, tmp_path):
+    bodies, phrases = MISTAKES[mistake]
+    verdict = grader.grade(_answered_with(tmp_path, bodies), timeout=120)
+    assert not verdict.ok
+    assert all(p in verdict.message for p in phrases), verdict.message
+
+
+def test_an_unfinished_exercise_is_told_to_complete_it():
+    from ddp_course.check import grade
+
+    verdict = grade("10", ROOT / "lessons" / "exercises" / NAME)  # the stub is found before any job starts
+    assert not verdict.ok and NOT_COMPLETE in verdict.message
+    assert "make_loader()" in verdict.message and "start_epoch()" in verdict.message
+
+
+# --------------------------------------------------------------------------------------------------
+# the diagnosis on the answer's records, altered as each mistake leaves them
+
+
+def _with_indices(row: dict, epoch: int, flat: list[int], batch_size: int = 8) -> None:
+    """Make ``row``'s learner loader have read ``flat`` in ``epoch`` (indices and their true contents)."""
+    import torch
+
+    batches = [flat[i:i + batch_size] for i in range(0, len(flat), batch_size)]
+    row["tuned"][epoch]["indices"] = batches
+    row["tuned"][epoch]["fingerprints"] = [fingerprint(torch.stack([sample(i) for i in b])) for b in batches]
+
+
+def _no_set_epoch(found):
+    for r in found:
+        for e in range(1, len(r["tuned"])):
+            _with_indices(r, e, [i for b in r["tuned"][0]["indices"] for i in b])
+
+
+def _same_shard_on_every_rank(found):  # e.g. rank=0 given to every rank's sampler
+    for e in range(len(found[0]["tuned"])):
+        _with_indices(found[1], e, [i for b in found[0]["tuned"][e]["indices"] for i in b])
+
+
+def _default_seed(found):
+    cfg = found[0]["config"]
+    for r in found:
+        for e in range(len(r["tuned"])):
+            _with_indices(r, e, grader.expected_indices(cfg["n_samples"], len(found), r["rank"], 0, e))
+
+
+def _one_batch_less(found):
+    for ep in found[1]["tuned"]:
+        del ep["indices"][-1], ep["fingerprints"][-1]
+
+
+def _other_contents(found):
+    found[0]["tuned"][1]["fingerprints"][2][3] += 0.5
+
+
+def _two_workers(found):
+    for r in found:
+        r["tuned"] = [{**ep, "seconds": s, "readers": [r["pid"] + 1, r["pid"] + 2]}
+                      for ep, s in zip(r["tuned"], (0.60, 0.21, 0.21))]
+        for ep, s in zip(r["untuned"], (0.71, 0.40, 0.40)):
+            ep["seconds"] = s
+
+
+CRAFTED = {
+    "no set_epoch": (_no_set_epoch, ("exactly the order of epoch 0", "set_epoch(epoch)")),
+    "the same shard on every rank": (_same_shard_on_every_rank, ("overlap", "rank=rank")),
+    "the default seed": (_default_seed, ("default seed (0)", "seed=SEED")),
+    "unequal batch counts": (_one_batch_less, ("same number of batches",)),
+    "other contents": (_other_contents, ("not the samples stored under them",)),
+    "two workers": (_two_workers, ("too slow", "2 workers at best")),
+}
+
+
+@pytest.mark.parametrize("mistake", list(CRAFTED))
+def test_diagnosis_names_each_mistake_on_crafted_records(mistake, graded):
+    _, found, _ = graded
+    assert found is not None and grader.diagnose(found).ok
+    alter, phrases = CRAFTED[mistake]
+    found = copy.deepcopy(found)
+    alter(found)
+    verdict = grader.diagnose(found)
+    assert not verdict.ok
+    assert all(p in verdict.message for p in phrases), verdict.message
+
+
+def test_dataloader_argument_errors_are_named_from_its_own_messages():
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    data = list(range(8))
+    for kwargs, phrase in ((dict(sampler=DistributedSampler(data, num_replicas=2, rank=0), shuffle=True), "shuffle"),
+                           (dict(persistent_workers=True), "persistent"), (dict(prefetch_factor=4), "prefetch_factor")):
+        with pytest.raises(ValueError) as err:
+            DataLoader(data, **kwargs)
+        assert phrase in grader._crash_hint(str(err.value)), (kwargs, str(err.value))
+    with pytest.raises(AttributeError) as err:
+        DataLoader(data, shuffle=True).sampler.set_epoch(1)
+    assert "no DistributedSampler" in grader._crash_hint(str(err.value))
