@@ -103,7 +103,7 @@ def _layout_problem(built: list[list[str]], params: list[tuple[str, int]], cap_b
     twice = sorted({n for n in flat if flat.count(n) > 1})
     cap = f"{BUCKET_CAP_MB} MB ({cap_bytes:,} bytes)"
     if missing or twice:
-        return (f"your buckets must hold every parameter exactly once; "
+        return ("your buckets must hold every parameter exactly once; "
                 + (f"missing: {missing[:3]}" if missing else f"more than once: {twice[:3]}")
                 + ". build_buckets receives the parameters in order; put each in one bucket.")
     if len(built) == len(names) and len(want) < len(names):
