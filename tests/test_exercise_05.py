@@ -43,7 +43,7 @@ def test_solution_passes_and_matches_torch_ddp(solution):
     assert solution.ok, solution.message
     assert "trains like torch's" in solution.message and "tolerance" in solution.message
     assert len(solution.records) == 2
-    table = grader.comparison(solution.records)
+    table = grader.comparison(solution)
     want = len(grader.expected_buckets(grader.model_parameters(), int(grader.BUCKET_CAP_MB * 2**20)))
     assert table["mine"]["all_reduces_per_step"] == want
     model_bytes = sum(b for _, b in grader.model_parameters())
@@ -130,6 +130,13 @@ def test_layout_and_blocking_mistakes_are_named_from_the_records(solution):
     verdict = grader.diagnose(_changed(solution.records, at_the_end))
     assert not verdict.ok and "ITS last gradient" in verdict.message, verdict.message
     assert "async_op=True" in grader._hint("AttributeError: 'NoneType' object has no attribute 'wait'")
+
+
+def test_comparison_of_a_run_that_did_not_happen_says_what_to_do():
+    from ddp_course.check import not_complete
+
+    with pytest.raises(ValueError, match="re-run the grading cell"):
+        grader.comparison(not_complete("on_grad_ready()", "exercises/05_my_ddp.py"))
 
 
 def test_expected_buckets_follow_the_stated_rule():

@@ -233,12 +233,14 @@ def grade(path: str | Path, timeout: float = 180.0) -> GradedRun:
     return diagnose(found)
 
 
-def comparison(records: list[dict]) -> dict[str, dict]:
-    """The learner's DDP beside torch's, from one run's records: all-reduces and payload bytes per step
-    (counted at the c10d operators), and the milliseconds per training step of every timing round (each
-    the slowest rank's, so rank 0's record holds them)."""
+def comparison(verdict: Verdict | list[dict]) -> dict[str, dict]:
+    """The learner's DDP beside torch's, from one graded run (its verdict, or its records): all-reduces
+    and payload bytes per step (counted at the c10d operators), and the milliseconds per training step
+    of every timing round (each the slowest rank's, so rank 0's record holds them)."""
+    records = verdict if isinstance(verdict, list) else getattr(verdict, "records", None)
     if not records:
-        raise ValueError("no records: the verdict comes from a run that did not finish; fix the script first.")
+        raise ValueError(f"there is no run of your DDP to compare yet: the grading verdict is \"{verdict}\". "
+                         "Complete the exercise, re-run the grading cell, then this one.")
     r = min(records, key=lambda x: x["rank"])
     return {name: {"all_reduces_per_step": r["traffic"][name]["ops"].get("allreduce", 0),
                    "payload_bytes_per_step": r["traffic"][name]["payload_bytes"],
