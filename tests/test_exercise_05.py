@@ -1,0 +1,146 @@
+"""Exercise 05's grader accepts the solution and rejects each classic mistake of a hand-built DDP,
+saying which one it is.
+
+Every wrong attempt is the answered solution with one function body replaced (two for the
+all-reduce moved after backward: the hook stops launching and finish_reduction starts), run for
+real on 2 ranks. The mistakes the grader reads from the bucket layout alone (forward order, one
+bucket per parameter) and the synchronous all-reduce are checked on the solution's own records,
+changed the way those mistakes change them: no job needed.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+from harness import answered_exercise
+
+from ddp_course.check import replace_function_body
+from ddp_course.course.l05_inside_ddp import grader
+
+NAME = "05_my_ddp.py"
+
+
+def attempt(tmp_path, replacements: dict[str, str]):
+    """The answered exercise with each named function's body replaced."""
+    source = answered_exercise(NAME)
+    for function, body in replacements.items():
+        source = replace_function_body(source, function, body)
+    path = tmp_path / f"05_{'_'.join(replacements)}.py"
+    path.write_text(source, encoding="utf-8")
+    return path
+
+
+@pytest.fixture(scope="module")
+def solution(tmp_path_factory):
+    path = tmp_path_factory.mktemp("answered") / "05_answered.py"
+    path.write_text(answered_exercise(NAME), encoding="utf-8")
+    return grader.grade(path, timeout=180)
+
+
+@pytest.mark.timeout(300)
+def test_solution_passes_and_matches_torch_ddp(solution):
+    assert solution.ok, solution.message
+    assert "trains like torch's" in solution.message and "tolerance" in solution.message
+    assert len(solution.records) == 2
+    table = grader.comparison(solution)
+    want = len(grader.expected_buckets(grader.model_parameters(), int(grader.BUCKET_CAP_MB * 2**20)))
+    assert table["mine"]["all_reduces_per_step"] == want
+    model_bytes = sum(b for _, b in grader.model_parameters())
+    # both send every gradient once per step: the same payload, however they bucket it
+    assert table["mine"]["payload_bytes_per_step"] == table["torch"]["payload_bytes_per_step"] == model_bytes
+    assert all(len(v["step_ms"]) >= 3 for v in table.values())
+
+
+# name -> ({function: new body}, phrases the verdict must contain)
+MISTAKES = {
+    # the classic "DDP by hand": all-reduce every bucket once backward has returned (no overlap)
+    "all-reduce after backward": ({
+        "on_grad_ready": "    pass\n",
+        "finish_reduction": "    for bucket in ddp.buckets:\n"
+                            "        flat = torch.cat([p.grad.reshape(-1) for p in bucket.params])\n"
+                            "        dist.all_reduce(flat)\n"
+                            "        flat /= ddp.world_size\n"
+                            "        offset = 0\n"
+                            "        for p in bucket.params:\n"
+                            "            p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))\n"
+                            "            offset += p.numel()\n"},
+        ("after loss.backward() had returned", "from the hook")),
+    "sum not divided by the world size": ({
+        "finish_reduction": "    for bucket in ddp.buckets:\n"
+                            "        bucket.work.wait()\n"
+                            "        offset = 0\n"
+                            "        for p in bucket.params:\n"
+                            "            p.grad.copy_(bucket.flat[offset:offset + p.numel()].view_as(p))\n"
+                            "            offset += p.numel()\n"
+                            "        bucket.ready, bucket.flat, bucket.work = 0, None, None\n"},
+        ("2.00 times torch's", "divided by the world size")),
+    "no_sync ignored": ({"no_sync": "    yield\n"}, ("during the backward under no_sync()", "stop all communication")),
+    "no initial broadcast": ({"broadcast_parameters": "    pass\n"}, ("rank(s) [1]", "dist.broadcast from rank 0")),
+}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("mistake", list(MISTAKES))
+def test_classic_mistake_is_rejected_and_named(mistake, tmp_path):
+    replacements, phrases = MISTAKES[mistake]
+    verdict = grader.grade(attempt(tmp_path, replacements), timeout=180)
+    assert not verdict.ok
+    assert all(p in verdict.message for p in phrases), verdict.message
+
+
+def _changed(records: list[dict], change) -> list[dict]:
+    out = copy.deepcopy(records)
+    for r in out:
+        change(r)
+    return out
+
+
+def test_layout_and_blocking_mistakes_are_named_from_the_records(solution):
+    params = grader.model_parameters()
+    names = [n for n, _ in params]
+    cap = int(grader.BUCKET_CAP_MB * 2**20)
+
+    def layout(buckets):
+        def change(r):
+            r["buckets"] = buckets
+        return change
+
+    forward = grader.expected_buckets(params[::-1], cap)  # the same rule, walking first to last
+    verdict = grader.diagnose(_changed(solution.records, layout(forward)))
+    assert not verdict.ok and "forward order" in verdict.message, verdict.message
+    verdict = grader.diagnose(_changed(solution.records, layout([[n] for n in reversed(names)])))
+    assert not verdict.ok and "one bucket per parameter" in verdict.message, verdict.message
+    ok_layout = grader.expected_buckets(params, cap)
+    merged = [ok_layout[0] + ok_layout[1], *ok_layout[2:]]  # a cap read as "at least", or a doubled cap
+    verdict = grader.diagnose(_changed(solution.records, layout(merged)))
+    assert not verdict.ok and f"fill {len(ok_layout)} buckets" in verdict.message, verdict.message
+
+    def blocking(r):
+        for s in r["steps"]:
+            for c in s["calls"]:
+                c["async"] = False
+    verdict = grader.diagnose(_changed(solution.records, blocking))
+    assert not verdict.ok and "async_op=True" in verdict.message, verdict.message
+
+    def at_the_end(r):  # every bucket launched from the last gradient's hook
+        for s in r["steps"]:
+            for c in s["calls"]:
+                c["ready"] = r["n_grads"]
+    verdict = grader.diagnose(_changed(solution.records, at_the_end))
+    assert not verdict.ok and "ITS last gradient" in verdict.message, verdict.message
+    assert "async_op=True" in grader._hint("AttributeError: 'NoneType' object has no attribute 'wait'")
+
+
+def test_comparison_of_a_run_that_did_not_happen_says_what_to_do():
+    from ddp_course.check import not_complete
+
+    with pytest.raises(ValueError, match="re-run the grading cell"):
+        grader.comparison(not_complete("on_grad_ready()", "exercises/05_my_ddp.py"))
+
+
+def test_expected_buckets_follow_the_stated_rule():
+    sizes = [("a", 40), ("b", 30), ("c", 50), ("d", 10), ("e", 100)]
+    # from the last: e (100 > 60) alone; d + c = 60 fits; b + a = 70 does not
+    assert grader.expected_buckets(sizes, 60) == [["e"], ["d", "c"], ["b"], ["a"]]
+    assert grader.expected_buckets(sizes, 1000) == [["e", "d", "c", "b", "a"]]
