@@ -19,6 +19,10 @@ step. Here you write that machinery, in six small functions that ``MyDDP`` (belo
 6. ``no_sync``: a context manager inside which backward communicates nothing; the gradients then
    accumulate locally and the next synced backward reduces their sum.
 
+Only the bodies of these six functions are yours (you may add imports and helper functions); the
+rest of the file, ``MyDDP`` included, is the harness, and the grader refuses a file whose harness
+differs from the course's.
+
 Run it (from the repository root):
 
     torchrun --standalone --nproc_per_node=2 lessons/exercises/05_my_ddp.py
