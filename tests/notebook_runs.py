@@ -23,10 +23,12 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ddp_course import check
-from ddp_course.launch import RECORD, Run
+from ddp_course import check  # imports no torch: a kernel given kernel_preamble() stays as quick to start
+
+if TYPE_CHECKING:
+    from ddp_course.launch import Run
 
 VAR = "DDP_COURSE_NOTEBOOK_RUNS"
 SESSION_START = time.time()  # reset by conftest.pytest_sessionstart
@@ -51,6 +53,8 @@ def fresh(path: Path) -> bool:
 
 def reuse(rel: str, module: str, nproc: int, env: dict[str, str] | None = None, **flags: Any) -> Run | None:
     """The notebook's finished run in ``rel`` if it is this exact job from this session, else None."""
+    from ddp_course.launch import RECORD, Run
+
     base = folder(rel)
     if base is None or not fresh(base / RECORD):
         return None
@@ -75,12 +79,15 @@ def graded(number: str, path: str | Path, **kwargs: Any) -> check.Verdict | None
     if base is None or not fresh(check.record_path(number, base)) or number not in check.graders() \
             or not Path(path).is_file():
         return None
-    grader = importlib.import_module(check.graders()[number])
-    digest, grader_digest = check.sha256_file(path), check.sha256_file(grader.__file__)
+    digest = check.sha256_file(path)
+    found = [e for e in check.recorded(number, base) if e["sha256"] == digest and e["started"] >= SESSION_START]
+    if not found:
+        return None
+    grader = importlib.import_module(check.graders()[number])  # only now: a grader may import torch
+    grader_digest = check.sha256_file(grader.__file__)
     options = json.loads(json.dumps(check.grader_options(grader, path, kwargs), default=str))
-    for e in check.recorded(number, base):
-        if (e["sha256"] == digest and e["grader_sha256"] == grader_digest and e["started"] >= SESSION_START
-                and _same_options(e["options"], options, e["elapsed_s"])):
+    for e in found:
+        if e["grader_sha256"] == grader_digest and _same_options(e["options"], options, e["elapsed_s"]):
             return check.Verdict(e["ok"], e["message"])
     return None
 
