@@ -51,14 +51,20 @@ def fresh(path: Path) -> bool:
     return path.exists() and path.stat().st_mtime >= SESSION_START
 
 
-def reuse(rel: str, module: str, nproc: int, env: dict[str, str] | None = None, **flags: Any) -> Run | None:
-    """The notebook's finished run in ``rel`` if it is this exact job from this session, else None."""
+def reuse(rel: str, module: str, nproc: int, env: dict[str, str] | None = None,
+          torchrun_args: list[str] | None = None, **flags: Any) -> Run | None:
+    """The notebook's finished run in ``rel`` if it is this exact job from this session, else None.
+
+    ``torchrun_args`` (e.g. ``["--max-restarts=1"]``) must be in the notebook's command too.
+    """
     from ddp_course.launch import RECORD, Run
 
     base = folder(rel)
     if base is None or not fresh(base / RECORD):
         return None
     rec = json.loads((base / RECORD).read_text(encoding="utf-8"))
+    if not all(a in rec["command"] for a in torchrun_args or []):
+        return None
     return Run.load(base) if _same(rec, module, nproc, flags, env or {}) else None
 
 
