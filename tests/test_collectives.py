@@ -2,7 +2,8 @@
 all-reduce benchmark -- each launched for real with torchrun on gloo, each launch bounded by a timeout.
 
 The answered ring exercise is the file lesson 02's grading cell grades in ``make test``: its verdict
-is read from there when that cell graded the same file in this session (``notebook_runs.grade``).
+is read from there when that cell graded the same file in this session (``notebook_runs.grade``), and
+the 4-rank collectives lab is lesson 02's run of the same job (``notebook_runs.reuse``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from harness import ROOT, answered_exercise
 from ddp_course.launch import run
 
 RING_SOLUTION = ROOT / "solutions" / "exercises" / "02_ring_allreduce.py"
+LAB = "ddp_course.course.l02_collectives.collectives"
 
 
 def _per_rank(out_dir: Path, pattern: str) -> list[dict]:
@@ -55,9 +57,9 @@ def _check_collectives(ranks: list[dict], n: int) -> None:
 
 
 def test_collectives_lab_4_ranks(tmp_path):
-    run("ddp_course.course.l02_collectives.collectives", nproc=4, out_dir=tmp_path, timeout=120, echo="none", progress=False,
-        barrier_delay_s=0.1)
-    ranks = _per_rank(tmp_path, "collectives_rank*.json")
+    job = notebook_runs.reuse("runs/02_collectives_4", LAB, 4) or \
+        run(LAB, nproc=4, out_dir=tmp_path, timeout=120, echo="none", progress=False)  # lesson 02's job
+    ranks = _per_rank(job.out_dir, "collectives_rank*.json")
     _check_collectives(ranks, 4)
     assert all(_rec(d, "all_reduce_avg")["native"] for d in ranks)  # gloo has AVG in the torch this course pins
 
