@@ -3,10 +3,10 @@
 - Every communication hook of the course reduces the gradients to the mean over ranks, within the
   rounding its wire format allows, identically on every rank, and hands the network the bytes it
   promises (2-rank gloo, started with torch.multiprocessing.spawn).
-- The ``ddp_internals`` lab (one torchrun launch): join() with uneven inputs completes and matches a
-  one-process replay, while the same loop without join() fails with a timeout instead of hanging;
-  buckets are rebuilt in reverse order; buffers agree only with broadcast_buffers; the unused-branch
-  errors and their fixes.
+- The ``ddp_internals`` lab (one torchrun launch, lesson 05's: ``make test`` reads the notebook's run
+  of it): join() with uneven inputs completes and matches a one-process replay, while the same loop
+  without join() fails with a timeout instead of hanging; buckets are rebuilt in reverse order;
+  buffers agree only with broadcast_buffers; the unused-branch errors and their fixes.
 - The ``ddp_profile`` lab writes Chrome traces in which small buckets start all-reducing during
   backward and one big bucket does not; the ``buckets`` benchmark writes its table.
 """
@@ -18,6 +18,7 @@ from datetime import timedelta
 from pathlib import Path
 from types import SimpleNamespace
 
+import notebook_runs
 import pytest
 import torch
 import torch.distributed as dist
@@ -26,6 +27,7 @@ from harness import free_port, spawn, torchrun
 from ddp_course.cli import FlagError, parse_flags
 from ddp_course.course.l05_inside_ddp import ddp_common
 from ddp_course.dist import DistInfo, clean_exit
+from ddp_course.launch import run
 from ddp_course.model import GPTConfig, MiniGPT
 from ddp_course.parallel import ddp as ddp_strategy
 
@@ -159,17 +161,17 @@ def test_comm_hook_bytes_on_the_wire(hook_results, name, dtype, bytes_per_elem):
 
 # --- the ddp_internals lab: join, buckets, buffers, unused parameters, static graph ------------------
 
-LAB_MODEL = ["--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=16", "--micro_batch_size=4"]
-LAB_TIMEOUT_S = 2.0
+INTERNALS = "ddp_course.course.l05_inside_ddp.ddp_internals"
 
 
 @pytest.fixture(scope="module")
 def internals(tmp_path_factory):
-    out = tmp_path_factory.mktemp("internals")
-    torchrun("ddp_course.course.l05_inside_ddp.ddp_internals", 2,
-             [f"--out_dir={out}", "--parts=buckets,gradhook,buffers,unused,static,join", "--bucket_caps=25,0.01",
-              "--cost_steps=2", "--cost_rounds=1", f"--pg_timeout_s={LAB_TIMEOUT_S}", *LAB_MODEL], timeout=150)
-    return json.loads((out / "internals.json").read_text())
+    """The lab as lesson 05 runs it (every part, its defaults): the notebook's run when make test has one."""
+    job = notebook_runs.reuse("runs/05_internals", INTERNALS, 2)
+    if job is None:
+        job = run(INTERNALS, nproc=2, out_dir=tmp_path_factory.mktemp("internals"), timeout=300, echo="none",
+                  progress=False)
+    return json.loads((job.out_dir / "internals.json").read_text())
 
 
 def test_join_with_uneven_inputs_completes(internals):
@@ -190,14 +192,15 @@ def test_without_join_the_longer_rank_fails_with_a_timeout(internals):
     assert err is not None and "Timed out" in err["message"]
     assert long_["steps_done"] == 3  # the matched steps went through; the 4th all-reduce found nobody
     # bounded by the process-group timeout, not a hang (slack for a loaded machine)
-    assert LAB_TIMEOUT_S * 0.9 <= err["after_s"] <= LAB_TIMEOUT_S + 10
+    timeout_s = internals["options"]["pg_timeout_s"]
+    assert timeout_s * 0.9 <= err["after_s"] <= timeout_s + 10
 
 
 def test_buckets_rebuilt_in_reverse_order(internals):
     b = internals["buckets"]
     by_cap = {c["bucket_cap_mb"]: c for c in b["caps"]}
     assert by_cap[25.0]["allreduces_per_step"] == [1, 1, 1]
-    small = by_cap[0.01]
+    small = by_cap[min(by_cap)]  # the smallest buckets: several per step
     assert small["allreduces_per_step"][0] == 1  # first step: one bucket, before DDP knows the order
     assert small["allreduces_per_step"][2] > 3
     first, last = small["buckets_rebuilt"][0]["params"], small["buckets_rebuilt"][-1]["params"]
