@@ -20,10 +20,11 @@ NAME = "04_ddp_convert.py"
 
 
 @pytest.fixture(scope="module")
-def fresh_cache(tmp_path_factory):
-    """The grader caches its one-process reference; an empty cache makes this module train it once."""
+def fresh_cache(session_cache_home):
+    """The grader caches its one-process reference; the session's cache, empty when the session started,
+    makes it trained once in this session (by the first grading, here or in tests/test_ddp_lesson.py)."""
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("cache")))
+        mp.setenv("XDG_CACHE_HOME", session_cache_home)
         yield
 
 
