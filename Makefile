@@ -54,8 +54,11 @@ lab: setup
 # The notebooks run as a learner's completed copies (answers in place of the TODOs, no markers,
 # the solutions' outputs kept for the cells nbval compares): build/learner, rebuilt each time. They
 # run first: a test that checks the same job as a notebook reads the notebook's run of it
-# (tests/notebook_runs.py) instead of launching it again.
+# (tests/notebook_runs.py) instead of launching it again. The course's own modules are byte-compiled
+# first: every process of every job imports them, and where PYTHONDONTWRITEBYTECODE is set (CI
+# machines) each process would compile them again.
 test: setup
+	-@$(PY) -m compileall -q ddp_course tests tools >/dev/null
 	$(PY) tools/make_lessons.py --answered build/learner
 	DDP_COURSE_NOTEBOOK_RUNS=$(CURDIR)/build/learner \
 	$(PY) -m pytest build/learner tests --nbval-lax --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg \
