@@ -16,6 +16,9 @@ STAMP       := $(VENV)/.ddp_course-installed
 PYTEST_ARGS ?=
 # JupyterLab refuses to run as root unless told to (containers often run as root)
 ROOT_FLAG   := $(if $(filter 0,$(shell id -u)),--allow-root)
+# Whether a Python can import torch, and which version it has, without importing it (seconds each)
+HAS_TORCH   := -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('torch') is None)"
+TORCH_VER   := -c "import importlib.metadata as m; print(m.version('torch'))"
 # Offline machines: a folder ../shared/data holding tinyshakespeare.txt, beside the checkout, is
 # used when DDP_COURSE_DATA is not set (that is how CI runs without a network).
 ifeq ($(origin DDP_COURSE_DATA),undefined)
@@ -31,14 +34,14 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml
 	@set -e; \
 	if [ ! -x "$(PY)" ]; then \
-	  if $(PYTHON) -c "import torch" >/dev/null 2>&1; then \
-	    echo "[setup] using the torch already installed for $(PYTHON): $$($(PYTHON) -c 'import torch; print(torch.__version__)')"; \
+	  if $(PYTHON) $(HAS_TORCH) >/dev/null 2>&1; then \
+	    echo "[setup] using the torch already installed for $(PYTHON): $$($(PYTHON) $(TORCH_VER) 2>/dev/null)"; \
 	    $(PYTHON) -m venv --system-site-packages $(VENV); \
 	  else \
 	    $(PYTHON) -m venv $(VENV); \
 	  fi; \
 	fi; \
-	if ! $(PY) -c "import torch" >/dev/null 2>&1; then \
+	if ! $(PY) $(HAS_TORCH) >/dev/null 2>&1; then \
 	  echo "[setup] installing $(TORCH_SPEC)"; \
 	  $(PY) -m pip install --quiet $(TORCH_PIP_ARGS) "$(TORCH_SPEC)"; \
 	fi; \
