@@ -13,6 +13,7 @@ TORCH_PIP_ARGS ?=
 PORT        ?= 8888
 PY          := $(VENV)/bin/python
 STAMP       := $(VENV)/.ddp_course-installed
+LAB_STAMP   := $(VENV)/.ddp_course-lab-installed
 PYTEST_ARGS ?=
 # JupyterLab refuses to run as root unless told to (containers often run as root)
 ROOT_FLAG   := $(if $(filter 0,$(shell id -u)),--allow-root)
@@ -50,7 +51,13 @@ $(STAMP): pyproject.toml
 	$(PY) -m ddp_course doctor; \
 	touch $(STAMP)
 
-lab: setup
+# JupyterLab itself only for `make lab` (pyproject's `lab` extra): `make test` runs without it.
+$(LAB_STAMP): $(STAMP)
+	@echo "[setup] installing JupyterLab into $(VENV)"
+	@$(PY) -m pip install --quiet -e ".[dev,lab]"
+	@touch $(LAB_STAMP)
+
+lab: setup $(LAB_STAMP)
 	@echo "[lab] starting JupyterLab; open the URL below (lessons/00_setup.ipynb is the first lesson)"
 	$(PY) -m jupyter lab --ip=127.0.0.1 --port=$(PORT) --no-browser $(ROOT_FLAG) --ServerApp.root_dir=$(CURDIR)
 
