@@ -14,6 +14,7 @@ import json
 import os
 import pickle
 import random
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -43,6 +44,7 @@ CKPT = 40  # the last checkpoint before the failure
 FAIL_AT = 45  # after the step-40 checkpoint and the metrics rows of the steps after it: those steps are redone
 CRASH = {"resume": True, "fail_at_step": FAIL_AT, "fail_rank": 1}
 TRAIN, RESHARD = "ddp_course.train", "ddp_course.course.l08_checkpointing.ckpt_reshard"
+KILL = "ddp_course.course.l08_checkpointing.ckpt_kill"
 # torch 2.13: restarted workers would read the first attempt's gloo addresses from torchrun's shared store
 RESTART_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 SHAPE = {"vocab_size": 65, "block_size": 16, "n_layer": 1, "n_head": 2, "n_embd": 32}
@@ -186,30 +188,35 @@ def test_data_position_carries_over_to_another_world_size(saved_world, saved_mic
 # --- SIGKILL in the middle of a save ----------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def killed(tmp_path_factory) -> dict[str, tuple[Path, int]]:
-    """The kill lab, once per format, as two plain processes started together."""
+def killed(tmp_path_factory) -> dict[str, tuple[Path, int, Path]]:
+    """The kill lab, once per format, as two plain processes started together: {format: (its folder,
+    exit code, the folder it ran in)}. Lesson 08 runs the full format's: make test reads a copy of the
+    notebook's folder (the test saves into it)."""
     root = tmp_path_factory.mktemp("kill")
-    procs = {fmt: start_python_module("ddp_course.course.l08_checkpointing.ckpt_kill",
-                                      [f"--format={fmt}", f"--out_dir={root / fmt}"])
-             for fmt in checkpoint.FORMATS}
     out = {}
+    lesson = notebook_runs.reuse("runs/08_kill", KILL, 1, format="full")
+    if lesson is not None:
+        shutil.copytree(lesson.out_dir, root / "full")
+        out["full"] = (root / "full", lesson.returncode, lesson.out_dir)
+    procs = {fmt: start_python_module(KILL, [f"--format={fmt}", f"--out_dir={root / fmt}"])
+             for fmt in checkpoint.FORMATS if fmt not in out}
     for fmt, p in procs.items():
         try:
             p.communicate(timeout=120)
         except subprocess.TimeoutExpired:
             p.kill()
             pytest.fail(f"ckpt_kill --format={fmt} did not finish in 120 s")
-        out[fmt] = (root / fmt, p.returncode)
+        out[fmt] = (root / fmt, p.returncode, root / fmt)
     return out
 
 
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("fmt", checkpoint.FORMATS)
 def test_sigkill_during_a_save_leaves_the_previous_checkpoint(killed, fmt):
-    out_dir, returncode = killed[fmt]
+    out_dir, returncode, ran_in = killed[fmt]
     assert returncode == -9  # killed by SIGKILL, as planned
     report = json.loads((out_dir / "ckpt_kill.json").read_text())
-    half = Path(report["killing"])
+    half = out_dir / Path(report["killing"]).relative_to(ran_in)
     assert half.exists()  # the save really was under way: its temporary name is on disk
     assert checkpoint.latest(out_dir) == checkpoint.checkpoint_path(out_dir, 1, fmt)
     assert [p.name for p in checkpoint.list_checkpoints(out_dir)] == [checkpoint.checkpoint_path(out_dir, 1, fmt).name]
