@@ -3,12 +3,15 @@
 - Every communication hook of the course reduces the gradients to the mean over ranks, within the
   rounding its wire format allows, identically on every rank, and hands the network the bytes it
   promises (2-rank gloo, started with torch.multiprocessing.spawn).
-- The ``ddp_internals`` lab (one torchrun launch, lesson 05's: ``make test`` reads the notebook's run
-  of it): join() with uneven inputs completes and matches a one-process replay, while the same loop
-  without join() fails with a timeout instead of hanging; buckets are rebuilt in reverse order;
-  buffers agree only with broadcast_buffers; the unused-branch errors and their fixes.
+- The ``ddp_internals`` lab (one torchrun launch): join() with uneven inputs completes and matches a
+  one-process replay, while the same loop without join() fails with a timeout instead of hanging;
+  buckets are rebuilt in reverse order; buffers agree only with broadcast_buffers; the unused-branch
+  errors and their fixes.
 - The ``ddp_profile`` lab writes Chrome traces in which small buckets start all-reducing during
   backward and one big bucket does not; the ``buckets`` benchmark writes its table.
+
+Lesson 05 runs both labs: in ``make test`` these tests check the notebook's runs (``notebook_runs``),
+with its settings; on their own they launch a smaller run of each.
 """
 
 from __future__ import annotations
@@ -162,15 +165,17 @@ def test_comm_hook_bytes_on_the_wire(hook_results, name, dtype, bytes_per_elem):
 # --- the ddp_internals lab: join, buckets, buffers, unused parameters, static graph ------------------
 
 INTERNALS = "ddp_course.course.l05_inside_ddp.ddp_internals"
+# Without lesson 05's run (every part, the lab's defaults): a small model, the smallest buckets, few steps.
+SMALL_INTERNALS = {"parts": "buckets,gradhook,buffers,unused,static,join", "bucket_caps": "25,0.01", "cost_steps": 2,
+                   "cost_rounds": 1, "pg_timeout_s": 2.0, "n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 16,
+                   "micro_batch_size": 4}
 
 
 @pytest.fixture(scope="module")
 def internals(tmp_path_factory):
-    """The lab as lesson 05 runs it (every part, its defaults): the notebook's run when make test has one."""
-    job = notebook_runs.reuse("runs/05_internals", INTERNALS, 2)
-    if job is None:
-        job = run(INTERNALS, nproc=2, out_dir=tmp_path_factory.mktemp("internals"), timeout=300, echo="none",
-                  progress=False)
+    job = notebook_runs.reuse("runs/05_internals", INTERNALS, 2) or \
+        run(INTERNALS, nproc=2, out_dir=tmp_path_factory.mktemp("internals"), timeout=150, echo="none",
+            progress=False, **SMALL_INTERNALS)
     return json.loads((job.out_dir / "internals.json").read_text())
 
 
@@ -246,11 +251,15 @@ TINY_PROFILE = ["--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=16", "
 
 
 def test_profile_trace_shows_overlap(tmp_path):
-    torchrun("ddp_course.course.l05_inside_ddp.ddp_profile", 2, [f"--out_dir={tmp_path}", "--bucket_cap_mb=0.01", *TINY_PROFILE],
-             timeout=150)
-    res = json.loads((tmp_path / "profile.json").read_text())
+    lesson = notebook_runs.reuse("runs/05_profile", "ddp_course.course.l05_inside_ddp.ddp_profile", 2, n_layer=2,
+                                 bucket_cap_mb=0.25, steps=5, rounds=3)  # lesson 05's run: 0.25 MB buckets
+    out = lesson.out_dir if lesson else tmp_path
+    if lesson is None:
+        torchrun("ddp_course.course.l05_inside_ddp.ddp_profile", 2,
+                 [f"--out_dir={tmp_path}", "--bucket_cap_mb=0.01", *TINY_PROFILE], timeout=150)
+    res = json.loads((out / "profile.json").read_text())
     for v in ("overlap", "one_bucket", "by_hand"):
-        trace = json.loads((tmp_path / f"trace_{v}.json").read_text())  # a valid Chrome trace
+        trace = json.loads((out / f"trace_{v}.json").read_text())  # a valid Chrome trace
         assert any(e.get("name") == "gloo:all_reduce" for e in trace["traceEvents"])
         assert res["variants"][v]["median_ms"] > 0
     stats = {v: res["variants"][v]["trace_stats"] for v in res["variants"]}
@@ -258,8 +267,8 @@ def test_profile_trace_shows_overlap(tmp_path):
     assert stats["one_bucket"]["n_allreduce"] == 1 and stats["one_bucket"]["launched_during_backward"] == 0
     assert stats["by_hand"]["launched_during_backward"] == 0
     n_params = res["variants"]["by_hand"]["traffic"]["ops"]["allreduce"]
-    assert n_params == len(list(MiniGPT(GPTConfig(vocab_size=65, block_size=16, n_layer=2, n_head=2,
-                                                  n_embd=32)).parameters()))
+    shape = {k: res["options"][k] for k in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd")}
+    assert n_params == len(list(MiniGPT(GPTConfig(**shape)).parameters()))
 
 
 def test_bucket_benchmark_tiny(tmp_path):
