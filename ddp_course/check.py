@@ -663,10 +663,12 @@ def main(argv: list[str]) -> int:
 # the working directory (a notebook's own folder when a notebook cell grades): which file was graded
 # (its path as shown and the sha256 of its bytes), by which grader (its module and the sha256 of its
 # source), with which options, when, how long it took, and the verdict. The last ``RECORD_KEEP``
-# files graded are kept, newest first (the same file graded again replaces its entry). The verdict
-# on a file that is byte for byte the one in an entry, by the same grader with the same options, is
-# that entry's verdict: nothing else goes into it. A folder that cannot be written leaves no record
-# and changes nothing else.
+# files graded are kept, newest first (the same file graded again replaces its entry). With the same
+# course code and torch, grading the same bytes again with the same grader and options gives the same
+# verdict (on the CPU the graders' runs are deterministic; on a GPU the measured gaps it quotes may
+# differ in their last digits), unless the first one hit its timeout: an entry can stand for a
+# grading not yet run. A folder that cannot be written leaves no record and changes
+# nothing else.
 
 RECORDS = Path("runs") / "check"
 RECORD_KEEP = 8
