@@ -11,7 +11,7 @@ by other code) is never mistaken for this one's. Without the variable, or when t
 differs in any option, :func:`reuse` returns None and the test launches its own job as usual.
 
 The same holds for the notebooks' grading cells: ``ddp_course.check.grade`` notes each verdict in
-``runs/check/NN.json`` of the notebook's folder, with the sha256 of the graded file and of the
+``runs/check/<exercise>.json`` of the notebook's folder, with the sha256 of the graded file and of the
 grader's module. :func:`grade` gives a test that verdict when the notebook graded a file identical
 to the test's, in this session, with the same grader and options (a test's shorter ``timeout``
 counts as the same when the notebook's grading finished within it); else it grades as usual.
@@ -82,14 +82,18 @@ def graded(number: str, path: str | Path, **kwargs: Any) -> check.Verdict | None
     import importlib
 
     base = folder(".")
-    if base is None or not fresh(check.record_path(number, base)) or number not in check.graders() \
-            or not Path(path).is_file():
+    try:
+        exercise = check.resolve(number, path)
+    except ValueError:
+        return None  # check.grade says why
+    if base is None or not fresh(check.record_path(exercise.name, base)) or not Path(path).is_file():
         return None
     digest = check.sha256_file(path)
-    found = [e for e in check.recorded(number, base) if e["sha256"] == digest and e["started"] >= SESSION_START]
+    found = [e for e in check.recorded(exercise.name, base)
+             if e["sha256"] == digest and e["started"] >= SESSION_START]
     if not found:
         return None
-    grader = importlib.import_module(check.graders()[number])  # only now: a grader may import torch
+    grader = importlib.import_module(exercise.module)  # only now: a grader may import torch
     grader_digest = check.sha256_file(grader.__file__)
     options = json.loads(json.dumps(check.grader_options(grader, path, kwargs), default=str))
     for e in found:
