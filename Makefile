@@ -13,9 +13,13 @@ TORCH_PIP_ARGS ?=
 PORT        ?= 8888
 PY          := $(VENV)/bin/python
 STAMP       := $(VENV)/.ddp_course-installed
+LAB_STAMP   := $(VENV)/.ddp_course-lab-installed
 PYTEST_ARGS ?=
 # JupyterLab refuses to run as root unless told to (containers often run as root)
 ROOT_FLAG   := $(if $(filter 0,$(shell id -u)),--allow-root)
+# Whether a Python can import torch, and which version it has, without importing it (seconds each)
+HAS_TORCH   := -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('torch') is None)"
+TORCH_VER   := -c "import importlib.metadata as m; print(m.version('torch'))"
 # Offline machines: a folder ../shared/data holding tinyshakespeare.txt, beside the checkout, is
 # used when DDP_COURSE_DATA is not set (that is how CI runs without a network).
 ifeq ($(origin DDP_COURSE_DATA),undefined)
@@ -31,14 +35,14 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml
 	@set -e; \
 	if [ ! -x "$(PY)" ]; then \
-	  if $(PYTHON) -c "import torch" >/dev/null 2>&1; then \
-	    echo "[setup] using the torch already installed for $(PYTHON): $$($(PYTHON) -c 'import torch; print(torch.__version__)')"; \
+	  if $(PYTHON) $(HAS_TORCH) >/dev/null 2>&1; then \
+	    echo "[setup] using the torch already installed for $(PYTHON): $$($(PYTHON) $(TORCH_VER) 2>/dev/null)"; \
 	    $(PYTHON) -m venv --system-site-packages $(VENV); \
 	  else \
 	    $(PYTHON) -m venv $(VENV); \
 	  fi; \
 	fi; \
-	if ! $(PY) -c "import torch" >/dev/null 2>&1; then \
+	if ! $(PY) $(HAS_TORCH) >/dev/null 2>&1; then \
 	  echo "[setup] installing $(TORCH_SPEC)"; \
 	  $(PY) -m pip install --quiet $(TORCH_PIP_ARGS) "$(TORCH_SPEC)"; \
 	fi; \
@@ -47,15 +51,24 @@ $(STAMP): pyproject.toml
 	$(PY) -m ddp_course doctor; \
 	touch $(STAMP)
 
-lab: setup
+# JupyterLab itself only for `make lab` (pyproject's `lab` extra): `make test` runs without it.
+$(LAB_STAMP): $(STAMP)
+	@echo "[setup] installing JupyterLab into $(VENV)"
+	@$(PY) -m pip install --quiet -e ".[dev,lab]"
+	@touch $(LAB_STAMP)
+
+lab: setup $(LAB_STAMP)
 	@echo "[lab] starting JupyterLab; open the URL below (lessons/00_setup.ipynb is the first lesson)"
 	$(PY) -m jupyter lab --ip=127.0.0.1 --port=$(PORT) --no-browser $(ROOT_FLAG) --ServerApp.root_dir=$(CURDIR)
 
 # The notebooks run as a learner's completed copies (answers in place of the TODOs, no markers,
 # the solutions' outputs kept for the cells nbval compares): build/learner, rebuilt each time. They
 # run first: a test that checks the same job as a notebook reads the notebook's run of it
-# (tests/notebook_runs.py) instead of launching it again.
+# (tests/notebook_runs.py) instead of launching it again. The course's own modules are byte-compiled
+# first: every process of every job imports them, and where PYTHONDONTWRITEBYTECODE is set (CI
+# machines) each process would compile them again.
 test: setup
+	-@$(PY) -m compileall -q ddp_course tests tools >/dev/null
 	$(PY) tools/make_lessons.py --answered build/learner
 	DDP_COURSE_NOTEBOOK_RUNS=$(CURDIR)/build/learner \
 	$(PY) -m pytest build/learner tests --nbval-lax --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg \

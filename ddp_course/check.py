@@ -582,7 +582,8 @@ def grade(number: str, path: str | Path, **kwargs) -> Verdict:
 
     Before any job starts: a script that still holds a TODO's stub gets its verdict at once, and so
     does a script whose part outside the TODOs differs from the shipped exercise (``check_harness``;
-    the grader's ``EDITABLE``, if it has one, names the constants the learner may change).
+    the grader's ``EDITABLE``, if it has one, names the constants the learner may change). The
+    grader's verdict is noted in ``runs/check/<exercise>.json`` (see the end of this module).
     """
     import importlib
 
@@ -597,8 +598,7 @@ def grade(number: str, path: str | Path, **kwargs) -> Verdict:
                else Verdict(True, ""))
     if not harness.ok:
         return harness
-    verdict = grader.grade(path, **kwargs)
-    return Verdict(verdict.ok, f"{verdict.message} {harness.message}") if harness.message else verdict
+    return _graded_and_recorded(exercise.name, path, grader, kwargs, harness.message)
 
 
 def notebook_exercises() -> list[tuple[str, str]]:
@@ -654,3 +654,76 @@ def main(argv: list[str]) -> int:
     verdict = grade(argv[0], path)
     print(verdict)
     return 0 if verdict.ok else 1
+
+
+# --------------------------------------------------------------------------------------------------
+# the record of the verdicts: runs/check/<exercise>.json
+#
+# Every verdict a lesson's grader gives through ``grade`` is noted in ``runs/check/<exercise>.json``
+# (e.g. ``runs/check/01_global_val_loss.json``) under the working directory (a notebook's own folder
+# when a notebook cell grades): which file was graded (its path as shown and the sha256 of its
+# bytes), by which grader (its module and the sha256 of its source), with which options, when, how
+# long it took, and the verdict. The last ``RECORD_KEEP`` files graded are kept, newest first (the
+# same file graded again replaces its entry). With the same course code and torch, grading the same
+# bytes again with the same grader and options gives the same verdict (on the CPU the graders' runs
+# are deterministic; on a GPU the measured gaps it quotes may differ in their last digits), unless
+# the first one hit its timeout: an entry can stand for a grading not yet run. A folder that cannot
+# be written leaves no record and changes nothing else.
+
+RECORDS = Path("runs") / "check"
+RECORD_KEEP = 8
+
+
+def record_path(name: str, base: str | Path = ".") -> Path:
+    """Where the verdicts on exercise ``name`` (e.g. "01_global_val_loss") are noted, under folder ``base``."""
+    return Path(base) / RECORDS / f"{name}.json"
+
+
+def sha256_file(path: str | Path) -> str:
+    import hashlib
+
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def grader_options(grader, path: str | Path, kwargs: dict) -> dict:
+    """The options ``grader.grade(path, **kwargs)`` runs with, its defaults filled in (e.g. ``timeout``)."""
+    import inspect
+
+    bound = inspect.signature(grader.grade).bind(path, **kwargs)
+    bound.apply_defaults()
+    return {k: v for i, (k, v) in enumerate(bound.arguments.items()) if i > 0}
+
+
+def recorded(name: str, base: str | Path = ".") -> list[dict]:
+    """The verdicts noted for exercise ``name`` under folder ``base``, newest first ([] if none)."""
+    import json
+
+    try:
+        return json.loads(record_path(name, base).read_text(encoding="utf-8"))["verdicts"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+
+
+def _graded_and_recorded(name: str, path: str | Path, grader, kwargs: dict, note: str) -> Verdict:
+    """``grader.grade(path, **kwargs)``, with ``note`` (the harness check's) appended to its message,
+    noted in ``runs/check/<name>.json``."""
+    import time
+
+    from ddp_course.metrics import write_json
+    from ddp_course.paths import show
+
+    started = time.time()
+    verdict = grader.grade(path, **kwargs)
+    if note:
+        verdict = Verdict(verdict.ok, f"{verdict.message} {note}")
+    try:
+        digest = sha256_file(path)
+        entry = {"file": show(path), "sha256": digest, "grader": grader.__name__,
+                 "grader_sha256": sha256_file(grader.__file__), "options": grader_options(grader, path, kwargs),
+                 "started": started, "elapsed_s": round(time.time() - started, 3), "ok": verdict.ok,
+                 "message": verdict.message}
+        older = [e for e in recorded(name) if e.get("sha256") != digest]
+        write_json(record_path(name), {"exercise": name, "verdicts": [entry, *older][:RECORD_KEEP]})
+    except (OSError, TypeError, ValueError):
+        pass  # no record (a read-only folder, an option that is not JSON): the verdict stands
+    return verdict

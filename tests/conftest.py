@@ -35,6 +35,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.slow)
 
 
+@pytest.fixture(scope="session")
+def session_cache_home(tmp_path_factory) -> str:
+    """An XDG_CACHE_HOME that starts empty in this session: what the course caches there (exercise 04's
+    one-process reference) is computed once in the session, by its code, never read from an earlier one."""
+    return str(tmp_path_factory.mktemp("cache"))
+
+
 @pytest.fixture
 def tiny() -> dict:
     """Overrides for a model small enough that a run takes a second or two on a CPU."""

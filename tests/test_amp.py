@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 
+import notebook_runs
 import pytest
 import torch
 
@@ -146,12 +147,22 @@ def test_amp_training_runs_on_cpu(precision, tmp_path, tiny):
 # --------------------------------------------------------------------------------------------------
 # AMP under DDP
 
+AMP_DDP = "ddp_course.course.l07_mixed_precision.amp_ddp"
+
 def test_amp_ddp_lab_scalers_agree(tmp_path):
-    out = tmp_path / "amp_ddp"
-    run("ddp_course.course.l07_mixed_precision.amp_ddp", nproc=2, out_dir=out, timeout=150, progress=False, echo="none",
-        steps=4, spike_step=1, spike_rank=1, n_layer=1, n_embd=32, micro_batch_size=4, block_size=16,
-        device="cpu", threads=1)
+    # lesson 07 runs the lab on 2 ranks with a spike on rank 1: make test reads its run when it was on the
+    # CPU (as this test's own run is), else a smaller run with the spike at another step
+    lesson = notebook_runs.reuse("runs/07_amp_ddp", AMP_DDP, 2, precisions="bf16,fp16", steps=6, spike_step=2,
+                                 spike_rank=1)
+    out = lesson.out_dir if lesson else tmp_path / "amp_ddp"
+    if lesson is None or json.loads((out / "amp_ddp_rank0.json").read_text())["device"] != "cpu":
+        out = tmp_path / "amp_ddp"
+        run(AMP_DDP, nproc=2, out_dir=out, timeout=150, progress=False, echo="none",
+            steps=4, spike_step=1, spike_rank=1, n_layer=1, n_embd=32, micro_batch_size=4, block_size=16,
+            device="cpu", threads=1)
     ranks = [json.loads((out / f"amp_ddp_rank{r}.json").read_text()) for r in (0, 1)]
+    s = ranks[0]["options"]["spike_step"]
+    assert ranks[0]["options"]["spike_rank"] == 1 and 0 < s < ranks[0]["options"]["steps"] - 1
     for res in ranks:
         for p in ("bf16", "fp16"):
             d = res["precisions"][p]
@@ -160,11 +171,11 @@ def test_amp_ddp_lab_scalers_agree(tmp_path):
             assert d["max_param_diff_vs_rank0"] == 0.0  # replicas identical
         assert not any(row["skipped"] for row in res["precisions"]["bf16"]["rows"])
     r0, r1 = (res["precisions"]["fp16"]["rows"] for res in ranks)
-    assert r0[1]["local_grads_finite"] and not r1[1]["local_grads_finite"]  # only rank 1 overflowed...
-    assert r0[1]["skipped"] and r1[1]["skipped"]  # ...and both ranks skipped the step
+    assert r0[s]["local_grads_finite"] and not r1[s]["local_grads_finite"]  # only rank 1 overflowed...
+    assert r0[s]["skipped"] and r1[s]["skipped"]  # ...and both ranks skipped the step
     assert [x["scale_after"] for x in r0] == [x["scale_after"] for x in r1]  # scalers in lockstep
-    assert r0[1]["scale_after"] == r0[1]["scale"] / 2
-    assert not any(x["skipped"] for x in r0[:1] + r0[2:])
+    assert r0[s]["scale_after"] == r0[s]["scale"] / 2
+    assert not any(x["skipped"] for x in r0[:s] + r0[s + 1:])
 
 
 # --------------------------------------------------------------------------------------------------

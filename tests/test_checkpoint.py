@@ -1,7 +1,12 @@
 """Checkpoints (lesson 08): a crashed DDP job restarted by torchrun ends bit-identical to one that never
 crashed, in both formats; checkpoints saved by 2 ranks load into 1 and 4; a process killed in the
 middle of a save leaves the previous checkpoint intact; corrupt or mismatched checkpoints give clear
-errors; the position in the data carries over to another world size; exercise 08's grader."""
+errors; the position in the data carries over to another world size; exercise 08's grader.
+
+The crashed and uninterrupted jobs are lesson 08's (section 4), with its settings: in ``make test``
+the notebook's runs of the uninterrupted job, of the sharded crash-and-restart and of the 4-rank
+reload are read (``notebook_runs``) instead of being launched again; the full-format crash is not in
+the lesson and always runs here."""
 
 from __future__ import annotations
 
@@ -9,12 +14,14 @@ import json
 import os
 import pickle
 import random
+import shutil
 import subprocess
 from pathlib import Path
 
+import notebook_runs
 import pytest
 import torch
-from harness import TINY, start_python_module
+from harness import start_python_module
 
 from ddp_course import checkpoint
 from ddp_course.checkpoint import CheckpointError
@@ -28,9 +35,16 @@ from ddp_course.model import GPTConfig, MiniGPT
 from ddp_course.paths import show
 from ddp_course.train import build_optimizer
 
-# dropout > 0: the resumed run must also restore every rank's generator, or the masks differ
-BASE = {**TINY, "strategy": "ddp", "max_steps": 20, "lr": 3e-3, "ckpt_interval": 10, "dropout": 0.1, "threads": 1}
-FAIL_AT = 13  # after the step-10 checkpoint, and after the step-10 metrics row: steps 11-13 are redone
+# Lesson 08's job (its ELASTIC, section 4). dropout > 0: the resumed run must also restore every rank's
+# generator, or the masks differ.
+BASE = {"strategy": "ddp", "n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 32, "micro_batch_size": 8,
+        "lr": 3e-3, "warmup_steps": 10, "max_steps": 60, "log_interval": 1, "eval_interval": 0, "eval_batches": 2,
+        "dropout": 0.1, "ckpt_interval": 20, "threads": 1}
+CKPT = 40  # the last checkpoint before the failure
+FAIL_AT = 45  # after the step-40 checkpoint and the metrics rows of the steps after it: those steps are redone
+CRASH = {"resume": True, "fail_at_step": FAIL_AT, "fail_rank": 1}
+TRAIN, RESHARD = "ddp_course.train", "ddp_course.course.l08_checkpointing.ckpt_reshard"
+KILL = "ddp_course.course.l08_checkpointing.ckpt_kill"
 # torch 2.13: restarted workers would read the first attempt's gloo addresses from torchrun's shared store
 RESTART_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 SHAPE = {"vocab_size": 65, "block_size": 16, "n_layer": 1, "n_head": 2, "n_embd": 32}
@@ -43,14 +57,17 @@ def _final(out_dir: Path) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
-    """An uninterrupted 2-rank DDP run, and the same run crashed on rank 1 and restarted by torchrun, per format."""
+    """An uninterrupted 2-rank DDP run, and the same run crashed on rank 1 and restarted by torchrun, per format
+    (lesson 08's runs of the same jobs when it ran them in this session)."""
     root = tmp_path_factory.mktemp("ckpt")
-    out = {"reference": run("ddp_course.train", nproc=2, out_dir=root / "reference", timeout=150, progress=False,
-                            echo="none", **BASE)}
+    out = {"reference": notebook_runs.reuse("runs/08_uninterrupted", TRAIN, 2, **BASE) or
+           run(TRAIN, nproc=2, out_dir=root / "reference", timeout=150, progress=False, echo="none", **BASE)}
+    restart = {"torchrun_args": ["--max-restarts=1"], "env": RESTART_ENV}
     for fmt in checkpoint.FORMATS:
-        out[fmt] = run("ddp_course.train", nproc=2, out_dir=root / fmt, timeout=200, progress=False, echo="none",
-                       torchrun_args=["--max-restarts=1"], env=RESTART_ENV, resume=True, fail_at_step=FAIL_AT,
-                       fail_rank=1, ckpt_format=fmt, **BASE)
+        out[fmt] = (notebook_runs.reuse("runs/08_elastic", TRAIN, 2, **restart, **CRASH, ckpt_format=fmt, **BASE)
+                    if fmt == "sharded" else None) or \
+            run(TRAIN, nproc=2, out_dir=root / fmt, timeout=200, progress=False, echo="none", **restart, **CRASH,
+                ckpt_format=fmt, **BASE)
     return out
 
 
@@ -60,11 +77,11 @@ def runs(tmp_path_factory) -> dict:
 @pytest.mark.parametrize("fmt", checkpoint.FORMATS)
 def test_restarted_job_equals_the_uninterrupted_one(runs, fmt):
     ref, r = runs["reference"], runs[fmt]
-    # it really crashed once and resumed from the step-10 checkpoint on torchrun's second attempt
-    assert "injected failure on rank 1 at step 13" in r.output
-    assert f"resumed from {show(checkpoint.checkpoint_path(r.out_dir, 10, fmt))} at step 10" in r.output
+    # it really crashed once and resumed from the step-40 checkpoint on torchrun's second attempt
+    assert f"injected failure on rank 1 at step {FAIL_AT}" in r.output
+    assert f"resumed from {show(checkpoint.checkpoint_path(r.out_dir, CKPT, fmt))} at step {CKPT}" in r.output
     assert list(r.out_dir.glob("torchrun_logs/*/*/attempt_1"))
-    assert r.summary["steps_run"] == BASE["max_steps"] - 10
+    assert r.summary["steps_run"] == BASE["max_steps"] - CKPT
     # CPU runs are deterministic, and the checkpoint holds everything the remaining steps depend on
     # (weights, AdamW moments and step counts, every rank's RNG for dropout, the data position), so the
     # redone steps must equal the uninterrupted run's to the last bit: no tolerance.
@@ -77,7 +94,7 @@ def test_restarted_job_equals_the_uninterrupted_one(runs, fmt):
 
 
 def test_sharded_checkpoint_has_a_part_from_every_rank(runs):
-    d = checkpoint.checkpoint_path(runs["sharded"].out_dir, 10, "sharded")
+    d = checkpoint.checkpoint_path(runs["sharded"].out_dir, CKPT, "sharded")
     names = {p.name for p in d.iterdir()}
     assert {".metadata", checkpoint.META, "__0_0.distcp", "__1_0.distcp"} <= names
     assert all((d / f"__{r}_0.distcp").stat().st_size > 0 for r in (0, 1))  # both ranks wrote tensors
@@ -85,10 +102,10 @@ def test_sharded_checkpoint_has_a_part_from_every_rank(runs):
     assert set(layout) == {"__0_0.distcp", "__1_0.distcp"} and not set(layout["__0_0.distcp"]) & set(layout["__1_0.distcp"])
     assert {"model.tok_emb.weight", "optimizer.state.tok_emb.weight.exp_avg"} <= {e for v in layout.values() for e in v}
     meta = checkpoint.load(d)
-    assert meta["world_size"] == 2 and meta["step"] == 10 and len(meta["rng"]) == 2
-    assert meta["position"] == {"samples": 10 * 2 * TINY["micro_batch_size"], "micro_batches": 10,
-                                "epoch": 0, "batch_in_epoch": 10}
-    assert checkpoint.latest(runs["sharded"].out_dir).name == "step_0000020"
+    assert meta["world_size"] == 2 and meta["step"] == CKPT and len(meta["rng"]) == 2
+    assert meta["position"] == {"samples": CKPT * 2 * BASE["micro_batch_size"], "micro_batches": CKPT,
+                                "epoch": 0, "batch_in_epoch": CKPT}
+    assert checkpoint.latest(runs["sharded"].out_dir).name == f"step_{BASE['max_steps']:07d}"
     assert not list(d.parent.glob("*.tmp"))
 
 
@@ -109,11 +126,11 @@ def _load_one_process(path: Path):
 
 @pytest.mark.timeout(400)
 def test_two_rank_checkpoints_load_into_one_process(runs):
-    full = checkpoint.checkpoint_path(runs["reference"].out_dir, 10, "full")
-    sharded = checkpoint.checkpoint_path(runs["sharded"].out_dir, 10, "sharded")
+    full = checkpoint.checkpoint_path(runs["reference"].out_dir, CKPT, "full")
+    sharded = checkpoint.checkpoint_path(runs["sharded"].out_dir, CKPT, "sharded")
     saved = torch.load(full, weights_only=True)
     model, opt, meta = _load_one_process(full)
-    assert meta["step"] == 10 and meta["world_size"] == 2
+    assert meta["step"] == CKPT and meta["world_size"] == 2
     # the truth is the file itself: every tensor, by name, bit for bit
     for name, t in model.state_dict().items():
         assert torch.equal(t, saved["model"][name]), name
@@ -123,27 +140,32 @@ def test_two_rank_checkpoints_load_into_one_process(runs):
         for key, t in st.items():
             assert torch.equal(t, saved["optimizer"]["state"][names[i]][key]), (names[i], key)
     assert torch.equal(torch.get_rng_state(), saved["rng"][0]["torch"])  # rank 0's generator
-    # the sharded run reached step 10 along the same path: its checkpoint holds the same state
+    # the sharded run reached step 40 along the same path: its checkpoint holds the same state
     model_s, opt_s, _ = _load_one_process(sharded)
     assert checkpoint.fingerprint(model_s, opt_s) == checkpoint.fingerprint(model, opt)
 
 
 @pytest.mark.timeout(400)
 def test_two_rank_checkpoints_load_into_four_ranks(runs, tmp_path):
-    full = checkpoint.checkpoint_path(runs["reference"].out_dir, 10, "full")
-    sharded = checkpoint.checkpoint_path(runs["sharded"].out_dir, 10, "sharded")
+    full = checkpoint.checkpoint_path(runs["reference"].out_dir, CKPT, "full")
+    sharded = checkpoint.checkpoint_path(runs["sharded"].out_dir, CKPT, "sharded")
     want = checkpoint.fingerprint(*_load_one_process(full)[:2])
-    run("ddp_course.course.l08_checkpointing.ckpt_reshard", nproc=4, out_dir=tmp_path, timeout=200, progress=False, echo="none",
-        ckpts=f"{full},{sharded}")
+    # lesson 08 reloads the same two checkpoints of its runs into 4 ranks, naming them from its folder
+    nb = notebook_runs.folder(".")
+    job = nb and notebook_runs.reuse("runs/08_reshard", RESHARD, 4,
+                                     ckpts=",".join(os.path.relpath(p, nb.resolve()) for p in (full, sharded)))
+    out = job.out_dir if job else tmp_path
+    if not job:
+        run(RESHARD, nproc=4, out_dir=tmp_path, timeout=200, progress=False, echo="none", ckpts=f"{full},{sharded}")
     for rank in range(4):
-        report = json.loads((tmp_path / f"reshard_rank{rank}.json").read_text())
+        report = json.loads((out / f"reshard_rank{rank}.json").read_text())
         assert report["world_size"] == 4
         for row, fmt in zip(report["checkpoints"], ("full", "sharded")):
-            assert row["format"] == fmt and row["saved_world_size"] == 2 and row["step"] == 10
+            assert row["format"] == fmt and row["saved_world_size"] == 2 and row["step"] == CKPT
             assert row["fingerprint"] == want, (rank, fmt)
             assert row["rng_from_rank"] == (rank if rank < 2 else 0)
-            # same global batch (8) on 4 ranks: micro-batches of 2, continuing at the 11th
-            assert row["same_global_batch"] == {"global_batch": 8, "micro_batch_size": 2, "start_batch": 10}
+            # same global batch (2 x 8) on 4 ranks: micro-batches of 4, continuing at the 41st
+            assert row["same_global_batch"] == {"global_batch": 16, "micro_batch_size": 4, "start_batch": CKPT}
 
 
 @pytest.mark.parametrize(("saved_world", "saved_micro", "world", "micro"), [(2, 4, 4, 2), (2, 4, 1, 8), (4, 2, 2, 4)])
@@ -166,30 +188,35 @@ def test_data_position_carries_over_to_another_world_size(saved_world, saved_mic
 # --- SIGKILL in the middle of a save ----------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def killed(tmp_path_factory) -> dict[str, tuple[Path, int]]:
-    """The kill lab, once per format, as two plain processes started together."""
+def killed(tmp_path_factory) -> dict[str, tuple[Path, int, Path]]:
+    """The kill lab, once per format, as two plain processes started together: {format: (its folder,
+    exit code, the folder it ran in)}. Lesson 08 runs the full format's: make test reads a copy of the
+    notebook's folder (the test saves into it)."""
     root = tmp_path_factory.mktemp("kill")
-    procs = {fmt: start_python_module("ddp_course.course.l08_checkpointing.ckpt_kill",
-                                      [f"--format={fmt}", f"--out_dir={root / fmt}"])
-             for fmt in checkpoint.FORMATS}
     out = {}
+    lesson = notebook_runs.reuse("runs/08_kill", KILL, 1, format="full")
+    if lesson is not None:
+        shutil.copytree(lesson.out_dir, root / "full")
+        out["full"] = (root / "full", lesson.returncode, lesson.out_dir)
+    procs = {fmt: start_python_module(KILL, [f"--format={fmt}", f"--out_dir={root / fmt}"])
+             for fmt in checkpoint.FORMATS if fmt not in out}
     for fmt, p in procs.items():
         try:
             p.communicate(timeout=120)
         except subprocess.TimeoutExpired:
             p.kill()
             pytest.fail(f"ckpt_kill --format={fmt} did not finish in 120 s")
-        out[fmt] = (root / fmt, p.returncode)
+        out[fmt] = (root / fmt, p.returncode, root / fmt)
     return out
 
 
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("fmt", checkpoint.FORMATS)
 def test_sigkill_during_a_save_leaves_the_previous_checkpoint(killed, fmt):
-    out_dir, returncode = killed[fmt]
+    out_dir, returncode, ran_in = killed[fmt]
     assert returncode == -9  # killed by SIGKILL, as planned
     report = json.loads((out_dir / "ckpt_kill.json").read_text())
-    half = Path(report["killing"])
+    half = out_dir / Path(report["killing"]).relative_to(ran_in)
     assert half.exists()  # the save really was under way: its temporary name is on disk
     assert checkpoint.latest(out_dir) == checkpoint.checkpoint_path(out_dir, 1, fmt)
     assert [p.name for p in checkpoint.list_checkpoints(out_dir)] == [checkpoint.checkpoint_path(out_dir, 1, fmt).name]

@@ -220,11 +220,11 @@ def test_recipe_refuses_unknown_options_and_variants():
 # --- exercise 04 and its grader ---------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def fresh_cache(tmp_path_factory):
-    """The grader caches its one-process reference; give this module an empty cache so that the
-    reference is really trained once here."""
+def fresh_cache(session_cache_home):
+    """The grader caches its one-process reference; this module uses the session's cache, empty when the
+    session started, so that the reference is trained in this session (once, by the first grading)."""
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("cache")))
+        mp.setenv("XDG_CACHE_HOME", session_cache_home)
         yield
 
 

@@ -1,16 +1,23 @@
-"""Exercise 01's grader passes the solution, and fails the learner's copy and a plausible wrong answer."""
+"""Exercise 01's grader passes the solution, and fails the learner's copy and a plausible wrong answer.
+
+The answered solution is the file lesson 01's grading cell grades in ``make test``: its verdict is
+read from there when that cell graded the same file in this session (``notebook_runs.grade``).
+"""
 
 from __future__ import annotations
 
-from harness import ROOT
+import notebook_runs
+from harness import ROOT, answered_exercise
 
 from ddp_course.check import grade
 
 SOLUTION = ROOT / "solutions" / "exercises" / "01_global_val_loss.py"
 
 
-def test_solution_passes():
-    verdict = grade("01", SOLUTION, timeout=120)
+def test_solution_passes(tmp_path):
+    path = tmp_path / SOLUTION.name
+    path.write_text(answered_exercise(SOLUTION.name))
+    verdict = notebook_runs.grade("01", path, timeout=120)
     assert verdict.ok, verdict.message
 
 

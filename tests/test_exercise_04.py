@@ -3,11 +3,14 @@ saying which one it is.
 
 Every wrong attempt is the answered solution with ONE function body replaced (what a learner would
 have written there). The mistakes of the data order (no DistributedSampler) are also in
-``tests/test_ddp_lesson.py``, beside the recipe lab that shows them.
+``tests/test_ddp_lesson.py``, beside the recipe lab that shows them. The answered solution is the
+file lesson 04's grading cell grades in ``make test``: its verdict is read from there when that cell
+graded the same file in this session (``notebook_runs.grade``).
 """
 
 from __future__ import annotations
 
+import notebook_runs
 import pytest
 from harness import answered_exercise, exercise_attempt
 
@@ -17,10 +20,11 @@ NAME = "04_ddp_convert.py"
 
 
 @pytest.fixture(scope="module")
-def fresh_cache(tmp_path_factory):
-    """The grader caches its one-process reference; an empty cache makes this module train it once."""
+def fresh_cache(session_cache_home):
+    """The grader caches its one-process reference; the session's cache, empty when the session started,
+    makes it trained once in this session (by the first grading, here or in tests/test_ddp_lesson.py)."""
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("cache")))
+        mp.setenv("XDG_CACHE_HOME", session_cache_home)
         yield
 
 
@@ -28,7 +32,7 @@ def fresh_cache(tmp_path_factory):
 def test_solution_passes_and_logs_the_one_process_loss(fresh_cache, tmp_path):
     path = tmp_path / "04_answered.py"
     path.write_text(answered_exercise(NAME))
-    verdict = grader.grade(path, timeout=180)
+    verdict = notebook_runs.grade("04", path, timeout=180)
     assert verdict.ok, verdict.message
     assert "logged the one-process loss" in verdict.message
     assert "tolerance" in verdict.message  # the verdict states what it compared against

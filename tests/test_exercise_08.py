@@ -3,13 +3,16 @@ saying which one it is.
 
 Every wrong attempt is the answered solution with ONE function body replaced. The diagnosis of the
 resumed run's RESULT rows (each part of the state left out) is also checked without a job in
-``tests/test_checkpoint.py::test_grader_diagnoses_each_missing_part``.
+``tests/test_checkpoint.py::test_grader_diagnoses_each_missing_part``. The answered solution is the
+file lesson 08's grading cell grades in ``make test``: its verdict is read from there when that cell
+graded the same file in this session (``notebook_runs.grade``).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import notebook_runs
 import pytest
 from harness import ROOT, answered_exercise, exercise_attempt
 
@@ -36,7 +39,7 @@ def attempt(tmp_path: Path, function: str, body: str) -> Path:
 def test_solution_passes_both_crashes(tmp_path):
     path = tmp_path / "08_answered.py"
     path.write_text(answered())
-    verdict = grader.grade(path, timeout=180)
+    verdict = notebook_runs.grade("08", path, timeout=180)
     assert verdict.ok, verdict.message
     assert "resumed at step" in verdict.message and "the save is atomic" in verdict.message
 

@@ -9,6 +9,9 @@
   errors and their fixes.
 - The ``ddp_profile`` lab writes Chrome traces in which small buckets start all-reducing during
   backward and one big bucket does not; the ``buckets`` benchmark writes its table.
+
+Lesson 05 runs both labs: in ``make test`` these tests check the notebook's runs (``notebook_runs``),
+with its settings; on their own they launch a smaller run of each.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from datetime import timedelta
 from pathlib import Path
 from types import SimpleNamespace
 
+import notebook_runs
 import pytest
 import torch
 import torch.distributed as dist
@@ -26,6 +30,7 @@ from harness import free_port, spawn, torchrun
 from ddp_course.cli import FlagError, parse_flags
 from ddp_course.course.l05_inside_ddp import ddp_common
 from ddp_course.dist import DistInfo, clean_exit
+from ddp_course.launch import run
 from ddp_course.model import GPTConfig, MiniGPT
 from ddp_course.parallel import ddp as ddp_strategy
 
@@ -159,17 +164,19 @@ def test_comm_hook_bytes_on_the_wire(hook_results, name, dtype, bytes_per_elem):
 
 # --- the ddp_internals lab: join, buckets, buffers, unused parameters, static graph ------------------
 
-LAB_MODEL = ["--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=16", "--micro_batch_size=4"]
-LAB_TIMEOUT_S = 2.0
+INTERNALS = "ddp_course.course.l05_inside_ddp.ddp_internals"
+# Without lesson 05's run (every part, the lab's defaults): a small model, the smallest buckets, few steps.
+SMALL_INTERNALS = {"parts": "buckets,gradhook,buffers,unused,static,join", "bucket_caps": "25,0.01", "cost_steps": 2,
+                   "cost_rounds": 1, "pg_timeout_s": 2.0, "n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 16,
+                   "micro_batch_size": 4}
 
 
 @pytest.fixture(scope="module")
 def internals(tmp_path_factory):
-    out = tmp_path_factory.mktemp("internals")
-    torchrun("ddp_course.course.l05_inside_ddp.ddp_internals", 2,
-             [f"--out_dir={out}", "--parts=buckets,gradhook,buffers,unused,static,join", "--bucket_caps=25,0.01",
-              "--cost_steps=2", "--cost_rounds=1", f"--pg_timeout_s={LAB_TIMEOUT_S}", *LAB_MODEL], timeout=150)
-    return json.loads((out / "internals.json").read_text())
+    job = notebook_runs.reuse("runs/05_internals", INTERNALS, 2) or \
+        run(INTERNALS, nproc=2, out_dir=tmp_path_factory.mktemp("internals"), timeout=150, echo="none",
+            progress=False, **SMALL_INTERNALS)
+    return json.loads((job.out_dir / "internals.json").read_text())
 
 
 def test_join_with_uneven_inputs_completes(internals):
@@ -190,14 +197,15 @@ def test_without_join_the_longer_rank_fails_with_a_timeout(internals):
     assert err is not None and "Timed out" in err["message"]
     assert long_["steps_done"] == 3  # the matched steps went through; the 4th all-reduce found nobody
     # bounded by the process-group timeout, not a hang (slack for a loaded machine)
-    assert LAB_TIMEOUT_S * 0.9 <= err["after_s"] <= LAB_TIMEOUT_S + 10
+    timeout_s = internals["options"]["pg_timeout_s"]
+    assert timeout_s * 0.9 <= err["after_s"] <= timeout_s + 10
 
 
 def test_buckets_rebuilt_in_reverse_order(internals):
     b = internals["buckets"]
     by_cap = {c["bucket_cap_mb"]: c for c in b["caps"]}
     assert by_cap[25.0]["allreduces_per_step"] == [1, 1, 1]
-    small = by_cap[0.01]
+    small = by_cap[min(by_cap)]  # the smallest buckets: several per step
     assert small["allreduces_per_step"][0] == 1  # first step: one bucket, before DDP knows the order
     assert small["allreduces_per_step"][2] > 3
     first, last = small["buckets_rebuilt"][0]["params"], small["buckets_rebuilt"][-1]["params"]
@@ -243,11 +251,15 @@ TINY_PROFILE = ["--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=16", "
 
 
 def test_profile_trace_shows_overlap(tmp_path):
-    torchrun("ddp_course.course.l05_inside_ddp.ddp_profile", 2, [f"--out_dir={tmp_path}", "--bucket_cap_mb=0.01", *TINY_PROFILE],
-             timeout=150)
-    res = json.loads((tmp_path / "profile.json").read_text())
+    lesson = notebook_runs.reuse("runs/05_profile", "ddp_course.course.l05_inside_ddp.ddp_profile", 2, n_layer=2,
+                                 bucket_cap_mb=0.25, steps=5, rounds=3)  # lesson 05's run: 0.25 MB buckets
+    out = lesson.out_dir if lesson else tmp_path
+    if lesson is None:
+        torchrun("ddp_course.course.l05_inside_ddp.ddp_profile", 2,
+                 [f"--out_dir={tmp_path}", "--bucket_cap_mb=0.01", *TINY_PROFILE], timeout=150)
+    res = json.loads((out / "profile.json").read_text())
     for v in ("overlap", "one_bucket", "by_hand"):
-        trace = json.loads((tmp_path / f"trace_{v}.json").read_text())  # a valid Chrome trace
+        trace = json.loads((out / f"trace_{v}.json").read_text())  # a valid Chrome trace
         assert any(e.get("name") == "gloo:all_reduce" for e in trace["traceEvents"])
         assert res["variants"][v]["median_ms"] > 0
     stats = {v: res["variants"][v]["trace_stats"] for v in res["variants"]}
@@ -255,8 +267,8 @@ def test_profile_trace_shows_overlap(tmp_path):
     assert stats["one_bucket"]["n_allreduce"] == 1 and stats["one_bucket"]["launched_during_backward"] == 0
     assert stats["by_hand"]["launched_during_backward"] == 0
     n_params = res["variants"]["by_hand"]["traffic"]["ops"]["allreduce"]
-    assert n_params == len(list(MiniGPT(GPTConfig(vocab_size=65, block_size=16, n_layer=2, n_head=2,
-                                                  n_embd=32)).parameters()))
+    shape = {k: res["options"][k] for k in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd")}
+    assert n_params == len(list(MiniGPT(GPTConfig(**shape)).parameters()))
 
 
 def test_bucket_benchmark_tiny(tmp_path):

@@ -12,16 +12,20 @@ not define something.
 
 To stay cheap, not every cell runs. The plan of each lesson (``plan``) executes, in order,
 
-- every cell from the top through the last one that a TODO can affect: the TODO cells, their checks,
-  and every later cell that uses a name a TODO cell binds (found by parsing the cells);
-- after that, only the cells that grade or read the learner's scripts (``exercises/``); they import
-  what they use.
+- every cell from the first TODO through the last one that a TODO can affect: the TODO cells, their
+  checks, and every later cell that uses a name a TODO cell binds (found by parsing the cells);
+- after that, only the cells that grade or read the learner's scripts (``exercises/``);
+- before the first TODO, only the cells that bind a name those cells read before binding it
+  themselves (and, in turn, the earlier cells these read from).
 
 A skipped cell uses nothing a TODO defines and does not touch the exercise scripts, so it runs the
 same whether the exercises are done or not; ``make test`` executes every cell of every lesson in
-their answered form (``python tools/make_lessons.py --answered build/learner``). Lesson 12's
-exercises are answers about jobs that run the same answered or not: there only the answer cells and
-their checks run, after the lesson's import (``ANSWERS_ONLY``).
+their answered form (``python tools/make_lessons.py --answered build/learner``), before ``tests/``.
+A script that a grading cell grades as it would be graded answered (a one-mistake copy the cell
+writes from the learner's script, e.g. lesson 06's) is byte for byte the file that run graded: the
+kernel gets that verdict (``notebook_runs.kernel_preamble``) instead of grading it again. Lesson
+12's exercises are answers about jobs that run the same answered or not: there only the answer
+cells and their checks run, after the lesson's import (``ANSWERS_ONLY``).
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ import warnings
 from pathlib import Path
 
 import nbformat
+import notebook_runs
 import pytest
 from harness import ROOT
 
@@ -81,6 +86,17 @@ def _used(source: str) -> set[str]:
     return {n.id for n in ast.walk(_tree(source)) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
 
 
+def _read_first(source: str) -> set[str]:
+    """The names a cell reads that an earlier statement of the same cell has not bound: what it needs
+    from the cells above (a name bound inside a statement that also reads it counts as read)."""
+    bound: set[str] = set()
+    found: set[str] = set()
+    for stmt in _tree(source).body:
+        found |= {n.id for n in ast.walk(stmt) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)} - bound
+        bound |= _bound([stmt])
+    return found
+
+
 def affected_names(cell_source: str) -> set[str]:
     """What a TODO cell leaves undefined or broken: every name it binds, except those bound before
     a top-level stub by statements that do not raise (a function holding a stub raises when called)."""
@@ -104,8 +120,18 @@ def plan(nb) -> dict:
         checks = [i for i in checks if i in grading]
         last = max([last, *later, *checks])
     scripts = [i for i in code if i > last and (i in grading or "exercises/" in nb.cells[i].source)]
-    run = [i for i in code if i <= last] + scripts
-    return {"run": run, "todo": todo, "grading": grading, "through": last}
+    first = min(todo, default=last + 1)
+    run = {i for i in code if first <= i <= last} | set(scripts)
+    binds = {i: _bound(_tree(nb.cells[i].source).body) for i in code if i < first}
+    pending = sorted(run)
+    while pending:  # the cells above the first TODO that what runs reads from, transitively
+        i = pending.pop()
+        needs = _read_first(nb.cells[i].source)
+        for j, names in binds.items():
+            if j < i and j not in run and names & needs:
+                run.add(j)
+                pending.append(j)
+    return {"run": sorted(run), "todo": todo, "grading": grading, "through": last}
 
 
 def exercise_lessons() -> list[str]:
@@ -135,6 +161,9 @@ def execute(path: Path, cells: list[int], timeout: int = 600, preamble: str | No
     finally:
         if km.has_kernel:
             km.shutdown_kernel(now=False)  # the client leaves a kernel it was given running
+    if preamble:
+        err = next((o for o in sub.cells[0].outputs if o.output_type == "error"), None)
+        assert err is None, f"the preamble failed: {err.ename}: {err.evalue}\n{preamble}"
     out = {}
     for i, cell in zip(cells, sub.cells[1:] if preamble else sub.cells):
         err = next((o for o in cell.outputs if o.output_type == "error"), None)
@@ -168,6 +197,20 @@ def test_plan_follows_what_a_todo_leaves_undefined():
     p = plan(nb)
     assert p["todo"] == [1, 3] and p["grading"] == [2, 7] and p["through"] == 5
     assert p["run"] == [0, 1, 2, 3, 4, 5, 7]
+
+
+def test_plan_runs_only_the_cells_above_the_first_todo_that_it_reads_from():
+    raise_line = f'raise NotImplementedError("{STUB}")'
+    nb = _nb("import json\na = 1",                                   # 0: read through cell 1
+             "b = a + 1",                                           # 1: read by the TODO cell
+             "job = launch_something()\nc = 2",                     # 2: read by nothing below: skipped
+             "import os\nprint(os.getcwd(), json.dumps(b))",         # 3: reads, binds nothing read: skipped
+             "a = 5",                                               # 4: after every reader of a: skipped
+             f"def g():\n    return b\n\ndef h():\n    # TODO: x\n    {raise_line}",  # 5
+             "c = 3\nverdict = check(h, c)\nassert verdict.ok, verdict.message")   # 6: binds its own c
+    p = plan(nb)
+    assert p["todo"] == [5] and p["grading"] == [6] and p["run"] == [0, 1, 5, 6]
+    assert _read_first("x = 1\ny = x + z\nfor k in y:\n    print(k)") == {"z", "print", "k"}
 
 
 def test_plan_of_a_top_level_todo():
@@ -226,10 +269,9 @@ def test_unanswered_lesson(name, tmp_path):
     shutil.copytree(LESSONS / "exercises", work / "exercises")
     nb = _read(work / name)
     p = plan(nb)
-    preamble = ANSWERS_ONLY.get(name)
-    cells = sorted({*p["todo"], *p["grading"]}) if preamble else p["run"]
+    cells = sorted({*p["todo"], *p["grading"]}) if name in ANSWERS_ONLY else p["run"]
     t0 = time.perf_counter()
-    got = execute(work / name, cells, preamble=preamble)
+    got = execute(work / name, cells, preamble=notebook_runs.kernel_preamble() + ANSWERS_ONLY.get(name, ""))
     print(f"{name}: {len(cells)} of {sum(c.cell_type == 'code' for c in nb.cells)} code cells in "
           f"{time.perf_counter() - t0:.0f} s")
 

@@ -2,22 +2,24 @@
 
 (The package's own ``train_step`` -- no_sync gradient equivalence and all-reduce counts -- is tested
 in tests/test_distributed.py; these tests cover what lesson 06 adds.) Every launch has a timeout.
+
+Lesson 06's grading cells grade the answered solution and the same one-mistake attempt as the
+grader tests below (no_sync around the backward only): in ``make test`` their verdicts are read from
+there when those cells graded the same files in this session (``notebook_runs.grade``).
 """
 
 from __future__ import annotations
 
 import json
-import re
 import time
-from pathlib import Path
 
+import notebook_runs
 import pytest
-from harness import ROOT
+from harness import ROOT, answered_exercise, exercise_attempt
 
 from ddp_course.launch import run
 
 SOLUTION = ROOT / "solutions" / "exercises" / "06_no_sync.py"
-SOLUTION_RE = re.compile(r"    # BEGIN SOLUTION.*?# END SOLUTION\n", re.S)
 
 
 # --- the lab -------------------------------------------------------------------------------------------
@@ -114,33 +116,26 @@ def test_bench_refuses_bad_options(capsys):
 
 # --- the exercise grader -------------------------------------------------------------------------------
 
-def _variant(tmp_path: Path, name: str, body: str) -> Path:
-    path = tmp_path / f"06_{name}.py"
-    path.write_text(SOLUTION_RE.sub(lambda m: body, SOLUTION.read_text()))
-    return path
-
-
 BACKWARD_ONLY = '''    n = len(micro_batches)
     for i, (x, y) in enumerate(micro_batches):
-        _, loss = model(x, y)
+        _, loss = model(x, y)  # forward outside no_sync(): DDP has already decided to all-reduce
         with model.no_sync() if use_no_sync and i < n - 1 else contextlib.nullcontext():
             (loss / n).backward()
 '''
 
 @pytest.mark.timeout(150)
-def test_grader_passes_the_solution():
-    from ddp_course.check import grade
-
-    verdict = grade("06", SOLUTION, timeout=120)
+def test_grader_passes_the_solution(tmp_path):
+    path = tmp_path / SOLUTION.name
+    path.write_text(answered_exercise(SOLUTION.name))
+    verdict = notebook_runs.grade("06", path, timeout=120)
     assert verdict.ok, verdict.message
     assert "only the last micro-step all-reduced" in verdict.message
 
 
 @pytest.mark.timeout(150)
 def test_grader_detects_no_sync_around_backward_only_and_says_why(tmp_path):
-    from ddp_course.check import grade
-
-    verdict = grade("06", _variant(tmp_path, "backward_only", BACKWARD_ONLY), timeout=120)
+    verdict = notebook_runs.grade("06", exercise_attempt(tmp_path, SOLUTION.name, "accumulate", BACKWARD_ONLY),
+                                  timeout=120)
     assert not verdict.ok
     for phrase in ("every one of the 4 micro-steps all-reduced", "classic silent bug", "during the *forward*",
                    "forward AND the backward"):

@@ -18,6 +18,10 @@ the grader, not by hand) kills the process *during* a save, the way lesson 08's
 completely, then ``torch.save`` is made to write half of step 2's bytes and SIGKILL the process.
 torchrun restarts it, and the learner's ``load_checkpoint`` must find at ``path`` the complete
 checkpoint of step 1 (``diagnose_kill``) -- never a truncated file, never nothing.
+
+The two jobs are independent, so they run at the same time (each waits on process start-ups and
+rendezvous the other can use); the verdict is the same as if the second ran after the first: its
+result counts only once the resume is exact.
 """
 
 from __future__ import annotations
@@ -230,38 +234,47 @@ def main(argv: list[str]) -> int:
 
 def grade(path: str | Path, timeout: float = 180) -> Verdict:
     """One crash-and-restart job on 2 ranks (the reference runs inside it), compared bit for bit; then
-    one job killed in the middle of a save."""
-    from ddp_course.launch import LaunchTimeout, run
+    the job killed in the middle of a save, which ran meanwhile."""
+    from concurrent.futures import ThreadPoolExecutor
 
     scratch = Path(tempfile.mkdtemp(prefix="ddp_course_g08_"))
     try:
-        try:
-            job = run(str(path), nproc=NPROC, out_dir=scratch, echo="none", progress=False, timeout=timeout,
-                      check=False, torchrun_args=["--max-restarts=1"], env=RESTART_ENV, max_steps=MAX_STEPS,
-                      ckpt_step=CKPT_STEP, fail_at_step=FAIL_AT_STEP)
-        except LaunchTimeout as exc:  # the job was stopped
-            return Verdict(False, f"the job did not finish within {timeout:.0f}s and was stopped. A save that waits "
-                                  "forever is usually a collective that only some ranks call: dist.barrier() or "
-                                  "dist.gather_object() inside `if rank == 0:` waits for ranks that never come. "
-                                  f"{last_lines(exc.run.output).lstrip()}")
-        if "NotImplementedError" in job.output:
-            return not_complete("save_checkpoint() or load_checkpoint()", path)
-        found = results(job.output)
-        if len(found) != NPROC:
-            hint = (" A rank waited until the process group's timeout: a collective that only some ranks call, such as "
-                    "dist.barrier() or dist.gather_object() inside `if rank == 0:`, waits for ranks that never come."
-                    if any(s in job.output for s in ("timed out", "Timeout", "timeout")) else "")
-            return Verdict(False, f"after the crash and the restart, the job did not finish on every rank (exit code "
-                                  f"{job.returncode}).{hint}{last_lines(job.output)}")
-        verdict = diagnose(found)
-        if not verdict.ok:
-            return verdict
-        killed = _kill_during_save(Path(path), scratch, timeout)
+        with ThreadPoolExecutor(max_workers=1) as pool:  # leaving the block waits for the kill job
+            kill_job = pool.submit(_kill_during_save, Path(path), scratch, timeout)
+            verdict = _crash_and_restart(path, scratch / "crash", timeout)
+            if not verdict.ok:
+                return verdict
+            killed = kill_job.result()
         if not killed.ok:
             return Verdict(False, f"the resume is exact, but {killed.message}")
         return Verdict(True, f"{verdict.message} And {killed.message}: the save is atomic.")
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _crash_and_restart(path: str | Path, out_dir: Path, timeout: float) -> Verdict:
+    """The crash-and-restart job on the learner's script, and ``diagnose`` of its RESULT lines."""
+    from ddp_course.launch import LaunchTimeout, run
+
+    try:
+        job = run(str(path), nproc=NPROC, out_dir=out_dir, echo="none", progress=False, timeout=timeout,
+                  check=False, torchrun_args=["--max-restarts=1"], env=RESTART_ENV, max_steps=MAX_STEPS,
+                  ckpt_step=CKPT_STEP, fail_at_step=FAIL_AT_STEP)
+    except LaunchTimeout as exc:  # the job was stopped
+        return Verdict(False, f"the job did not finish within {timeout:.0f}s and was stopped. A save that waits "
+                              "forever is usually a collective that only some ranks call: dist.barrier() or "
+                              "dist.gather_object() inside `if rank == 0:` waits for ranks that never come. "
+                              f"{last_lines(exc.run.output).lstrip()}")
+    if "NotImplementedError" in job.output:
+        return not_complete("save_checkpoint() or load_checkpoint()", path)
+    found = results(job.output)
+    if len(found) != NPROC:
+        hint = (" A rank waited until the process group's timeout: a collective that only some ranks call, such as "
+                "dist.barrier() or dist.gather_object() inside `if rank == 0:`, waits for ranks that never come."
+                if any(s in job.output for s in ("timed out", "Timeout", "timeout")) else "")
+        return Verdict(False, f"after the crash and the restart, the job did not finish on every rank (exit code "
+                              f"{job.returncode}).{hint}{last_lines(job.output)}")
+    return diagnose(found)
 
 
 if __name__ == "__main__":
