@@ -12,6 +12,11 @@ What a rank holds while it trains (AdamW, fp32 master weights):
   FSDP1 concatenates each unit's tensors into one flat vector (each tensor aligned to 16 bytes),
   pads it to a multiple of N and gives every rank one N-th.
 - ``grads``: the same layout as the parameters (FSDP's reduce-scatter writes into a padded buffer).
+- ``zero1`` (ZeRO stage 1: exercise 09's second part, ``torch.distributed.optim.ZeroRedundancyOptimizer``)
+  keeps every parameter and gradient on every rank, as DDP does, and shards only the optimizer: each
+  parameter, whole, has one owner that keeps its AdamW state. The owners are chosen greedily by
+  size (:func:`zero1_partition`), so a rank's share is 1/N of the state give or take part of one
+  tensor, and nothing is padded.
 - ``optimizer``: AdamW's two fp32 moments per parameter element, created from the (sharded)
   parameters -- *without* the padding: a shard's moments have its real size -- plus one fp32
   ``step`` counter per parameter tensor, which nothing shards.
@@ -21,6 +26,8 @@ What a rank holds while it trains (AdamW, fp32 master weights):
 
 ``padding`` is what a rank's parameters, gradients and optimizer states take beyond an exact 1/N of
 DDP's: padded rows, plus the unsharded step counters, minus what the last ranks' shorter shards save.
+For ``zero1`` it is what the rank's optimizer state takes beyond 1/N of DDP's (whole tensors do not
+split evenly: positive on some ranks, negative on others).
 
 :func:`measure_states` and :func:`saved_activations` measure the same quantities in a live process:
 the bytes of the distinct storages behind the parameters (``DTensor.to_local()`` for FSDP2), the
@@ -37,7 +44,7 @@ from dataclasses import dataclass
 
 import torch
 
-STRATEGIES = ("single", "ddp", "fsdp", "fsdp1")
+STRATEGIES = ("single", "ddp", "zero1", "fsdp", "fsdp1")
 FP32 = 4
 
 
@@ -73,6 +80,29 @@ def _table(key: tuple[int, ...]) -> tuple[Tensor, ...]:
         unit = ".".join(name.split(".")[:2]) if name.startswith("blocks.") else "root"
         out.append(Tensor(name, tuple(p.shape), unit))
     return tuple(out)
+
+
+def zero1_partition(numels: list[int], world_size: int) -> list[list[int]]:
+    """ZeRO-1's owners: ``shards[r]`` lists the indices of the tensors rank r owns (and steps).
+
+    Sorted greedy, the rule of ``torch.distributed.optim.ZeroRedundancyOptimizer``: the tensors from
+    the largest down (a stable sort, so equal sizes keep their order), each to the rank that owns the
+    fewest elements so far (the lowest rank on a tie). No two ranks then differ by more than the
+    largest tensor.
+    """
+    shards: list[list[int]] = [[] for _ in range(world_size)]
+    owned = [0] * world_size
+    for i in sorted(range(len(numels)), key=lambda i: numels[i], reverse=True):
+        rank = owned.index(min(owned))
+        shards[rank].append(i)
+        owned[rank] += numels[i]
+    return shards
+
+
+def _zero1_states(table: list[Tensor], world_size: int, rank: int) -> dict[str, int]:
+    params = sum(t.numel for t in table) * FP32
+    mine = [table[i] for i in zero1_partition([t.numel for t in table], world_size)[rank]]
+    return {"params": params, "grads": params, "optimizer": sum(2 * t.numel * FP32 + FP32 for t in mine)}
 
 
 def _fsdp2_states(table: list[Tensor], shard: int, s: int) -> dict[str, int]:
@@ -150,7 +180,8 @@ def predict(strategy: str, world_size: int, shape: dict[str, int], *, micro_batc
     """Predicted bytes on each rank (one dict per rank) for ``strategy`` at ``world_size``.
 
     Keys: ``rank``, ``params``, ``grads``, ``optimizer``, ``states`` (their sum), ``activations``,
-    ``padding`` (``states`` minus an exact 1/N of DDP's, N = ranks sharing one copy),
+    ``padding`` (``states`` minus an exact 1/N of DDP's, N = ranks sharing one copy; for ``zero1``,
+    minus DDP's parameters and gradients and 1/N of its optimizer state),
     ``gathered`` (FSDP: full parameters held at once during the step, in the compute dtype: one
     block at a time plus the root with ``reshard_after_forward``, every unit without it).
     """
@@ -159,7 +190,7 @@ def predict(strategy: str, world_size: int, shape: dict[str, int], *, micro_batc
     table = parameter_table(shape)
     n_params = sum(t.numel for t in table)
     compute = 2 if mixed_precision and strategy in ("fsdp", "fsdp1") else FP32
-    shard = (fsdp_shard_size or world_size) if strategy in ("fsdp", "fsdp1") else 1
+    shard = (fsdp_shard_size or world_size) if strategy in ("fsdp", "fsdp1") else world_size if strategy == "zero1" else 1
     if world_size % shard:
         raise ValueError(f"fsdp_shard_size={fsdp_shard_size} does not divide world_size={world_size}.")
     replicated = {"params": n_params * FP32, "grads": n_params * FP32,
@@ -177,10 +208,14 @@ def predict(strategy: str, world_size: int, shape: dict[str, int], *, micro_batc
             states = _fsdp2_states(table, shard, s)
         elif strategy == "fsdp1":
             states = _fsdp1_states(table, shard, s, compute)
+        elif strategy == "zero1":
+            states = _zero1_states(table, world_size, rank)
         else:
             states = dict(replicated)
         total = states["params"] + states["grads"] + states["optimizer"]
         exact = sum(replicated.values()) / shard
+        if strategy == "zero1":  # only the optimizer state is divided
+            exact = replicated["params"] + replicated["grads"] + replicated["optimizer"] / world_size
         if strategy in ("fsdp", "fsdp1"):
             gathered = unit_bytes["root"] + (max(blocks) if reshard_after_forward else sum(blocks))
         else:

@@ -1,0 +1,216 @@
+"""Grader of exercise 09's second part (``lessons/exercises/09_zero1.py``): ZeRO-1 built by hand.
+
+Runs the script with torchrun on 2 processes. Every rank reports which parameters its optimizer
+steps, the bytes of that optimizer's state and of a plain AdamW's (DDP's, on the same rank), the
+norm of each gradient it stepped with at the first step, and, after a few steps side by side with
+DDP + AdamW, its largest parameter difference from DDP, from rank 0, and every parameter's norm.
+The grader checks, against references of its own:
+
+- the partition: every parameter is stepped on exactly one rank (not on every rank: that is no
+  sharding; not on two; not on none);
+- the memory: each rank's optimizer state is 1/2 of an unsharded AdamW's (the lesson's calculator,
+  ``memory.predict("ddp", ...)``) within what whole parameters allow;
+- the gradients: those the owners stepped with at the first step equal the gradient of the mean
+  loss over both ranks' batches, computed here in one process (``reference_gradient``);
+- the training: every rank holds the same parameters, equal to DDP's within the script's tolerance,
+  and every parameter's norm equals that of a one-process run on the global batch (``reference_norms``);
+
+and names the mistake behind what it measured.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ddp_course.check import Verdict, run_exercise
+from ddp_course.course.l09_fsdp.grader import NORM_RTOL, harness_constants, reference_norms
+
+EXERCISE = "09_zero1.py"
+NPROC = 2
+# One process on the concatenated batch vs 2 ranks averaging: the same sum in another order, last-bit
+# differences (~1e-7 per gradient norm). A sum left undivided is off by a factor N, a rank's own
+# gradient by tens of percent, so 1e-5 separates them.
+GRAD_RTOL = 1e-5
+STATE_BYTES_PER_ELEMENT = 8  # AdamW: exp_avg and exp_avg_sq, fp32
+STEP_BYTES = 4  # and one fp32 step counter per parameter tensor
+
+
+def state_slack(numels: list[int], world_size: int = NPROC) -> float:
+    """How far whole parameters balanced by size may leave a rank's AdamW bytes from an exact 1/N.
+
+    Greedy assignment (each parameter to the rank that owns the fewest elements so far) never lets
+    two ranks differ by more than the largest parameter, so no rank is further than (N-1)/N of it
+    from the average: 8 bytes per element of it. The 4-byte step counters, one per parameter owned,
+    add at most 4 bytes per parameter. Any sharding at all (1/N) is far below an unsharded copy.
+    """
+    return (world_size - 1) / world_size * STATE_BYTES_PER_ELEMENT * max(numels) + STEP_BYTES * len(numels)
+
+
+def state_budget(constants: dict) -> tuple[int, float]:
+    """A plain AdamW's state bytes for the exercise's model (the lesson's calculator, ``memory.predict``)
+    and the slack whole parameters allow a rank's 1/N of it (``state_slack`` of the model's tensors)."""
+    from ddp_course.course.l06_grad_accumulation.no_sync_lab import VOCAB
+    from ddp_course.course.l09_fsdp import memory
+
+    shape = {"vocab_size": VOCAB, **constants["SHAPE"]}
+    numels = [t.numel for t in memory.parameter_table(shape)]
+    return memory.predict("ddp", NPROC, shape)[0]["optimizer"], state_slack(numels)
+
+
+def reference_gradients(constants: dict, world_size: int = NPROC) -> dict[str, dict[str, float]]:
+    """Norms of the first step's gradients, computed in this process: ``global`` (the mean loss over
+    every rank's batch, what averaging must give) and, per rank, that rank's own batch alone."""
+    from ddp_course.course.l06_grad_accumulation.no_sync_lab import micro_batch, reference_gradient, tiny_model
+
+    shape, mbs, seed = constants["SHAPE"], constants["MICRO_BATCH_SIZE"], constants["SEED"]
+    model = tiny_model(seed, **shape)
+    out = {"global": {n: g.norm().item() for n, g in
+                      reference_gradient(model, [0], world_size, micro_batch_size=mbs, block_size=shape["block_size"],
+                                         seed=seed).items()}}
+    for rank in range(world_size):
+        x, y = micro_batch(0, rank, micro_batch_size=mbs, block_size=shape["block_size"], seed=seed)
+        model(x, y)[1].backward()
+        out[rank] = {n: p.grad.norm().item() for n, p in model.named_parameters()}
+        model.zero_grad(set_to_none=True)
+    return out
+
+
+def _names(items: list[str], k: int = 4) -> str:
+    return ", ".join(items[:k]) + (f" (and {len(items) - k} more)" if len(items) > k else "")
+
+
+def _partition_problem(ranks: dict[int, dict], names: list[str]) -> str | None:
+    stepped = {r: row["stepped"] for r, row in ranks.items()}
+    if any(None in s for s in stepped.values()):
+        return ("the optimizer holds tensors that are not the model's parameters (copies?): AdamW must hold the "
+                "model's own parameters, params[i] for the i in this rank's shard, so that its step changes the model.")
+    counts = {n: sum(n in s for s in stepped.values()) for n in names}
+    if all(c == NPROC for c in counts.values()):
+        mine = ranks[0]["optimizer_bytes"]
+        return (f"every rank's optimizer steps all {len(names)} parameters: each rank keeps the full AdamW state "
+                f"({mine:,} bytes on rank 0, {mine / (ranks[0]['ddp_optimizer_bytes'] / NPROC):.1f}x its 1/{NPROC} share), "
+                "which is DDP, not ZeRO-1. In shard_optimizer, give AdamW only the parameters of shards[rank].")
+    twice = [n for n, c in counts.items() if c > 1]
+    if twice:
+        return (f"parameter(s) {_names(twice)} are stepped on {max(counts.values())} ranks: the shards overlap, so "
+                "their AdamW state is kept twice. partition must give every parameter to exactly one rank.")
+    none = [n for n, c in counts.items() if c == 0]
+    if none:
+        return (f"parameter(s) {_names(none)} are stepped on no rank: the shards leave them out, so they never "
+                "train. partition must give every parameter to exactly one rank (check the parameters at the "
+                "boundary between two ranks' shares).")
+    return None
+
+
+def _near(got: dict[str, float], ref: dict[str, float], factor: float = 1.0) -> bool:
+    """Every gradient norm in ``got`` is ``factor`` times the reference's, within GRAD_RTOL."""
+    return all(abs(g - factor * ref[n]) <= GRAD_RTOL * factor * ref[n] for n, g in got.items())
+
+
+def _grad_problem(ranks: dict[int, dict], reference: dict) -> str | None:
+    want = reference["global"]
+    for rank, row in sorted(ranks.items()):
+        got = row["grad_norms"]
+        if not got or _near(got, want):
+            continue
+        if _near(got, want, NPROC):
+            return (f"the gradients rank {rank}'s optimizer stepped with are {NPROC:.2f} times the averaged gradient: "
+                    f"summed over the ranks but not averaged. In average_gradients, divide the sum by the number of "
+                    "ranks. (AdamW nearly hides this, as its update divides by the gradient's size; plain SGD, "
+                    "gradient clipping or a changed world size would not.)")
+        if _near(got, reference[rank]):
+            return (f"rank {rank}'s optimizer stepped with the gradient of its own batch alone: the gradients were "
+                    "never combined across ranks, so each owner trains on half the data. In average_gradients, sum "
+                    "each gradient over the ranks (dist.reduce to its owner, or dist.all_reduce), then divide by the "
+                    "number of ranks.")
+        if _near(got, reference[rank], 1 / NPROC):
+            return (f"rank {rank}'s optimizer stepped with its own gradient divided by {NPROC}: the division of the "
+                    "average happened, the sum over the ranks did not. Reduce (sum) each gradient before dividing.")
+        worst = max(got, key=lambda n: abs(got[n] - want[n]) / want[n])
+        return (f"the gradient rank {rank}'s optimizer stepped with differs from the gradient averaged over both "
+                f"ranks' batches (e.g. {worst}: norm {got[worst]:.4g}, expected {want[worst]:.4g}). average_gradients "
+                "must leave on each parameter's owner the sum over the ranks divided by their number.")
+    return None
+
+
+def diagnose(found: list[dict], reference: dict, norms: dict[str, float], unsharded: int, slack: float,
+             lr: float) -> Verdict:
+    """The verdict on the script's RESULT rows, given the grader's own references (``references``):
+    ``reference`` from ``reference_gradients``, ``norms`` from ``reference_norms``, ``unsharded`` and
+    ``slack`` from ``state_budget``."""
+    ranks = {r["rank"]: r for r in found}
+    if sorted(ranks) != list(range(NPROC)):
+        return Verdict(False, f"only ranks {sorted(ranks)} reported; every rank must finish.")
+    r0 = ranks[0]
+    names = list(r0["param_norms"])
+    problem = _partition_problem(ranks, names)
+    if problem:
+        return Verdict(False, problem)
+    share = unsharded / NPROC
+    for r in ranks.values():
+        if abs(r["optimizer_bytes"] - share) > slack:
+            held = ", ".join(f"rank {k}: {v['optimizer_bytes']:,}" for k, v in sorted(ranks.items()))
+            return Verdict(False, f"every parameter has one owner, but the optimizer state is unbalanced ({held} bytes; "
+                                  f"1/{NPROC} of AdamW's {unsharded:,} is {share:,.0f}, and whole parameters allow "
+                                  f"{slack:,.0f} either way): the largest rank sets the memory. In partition, "
+                                  "balance by size: give each parameter, largest first, to the rank that owns the "
+                                  "fewest elements so far.")
+    problem = _grad_problem(ranks, reference)
+    if problem:
+        return Verdict(False, problem)
+    across = max(r["max_abs_diff_across_ranks"] for r in found)
+    if across > 0:  # a broadcast copies the owner's bits: any difference means a rank missed an update
+        return Verdict(False, f"after training, the ranks hold different parameters (up to {across:.2e} apart): each "
+                              "rank updated only the parameters it owns and never received the others. In "
+                              "share_updates, broadcast every parameter from its owner (dist.broadcast(..., src=owner)).")
+    worst = max(r["max_abs_diff_vs_ddp"] for r in found)
+    if worst > lr / 100:  # rounding stays far below; a parameter missing an update is ~lr away
+        return Verdict(False, f"every rank holds the same parameters, but they differ from DDP's by up to {worst:.2e} "
+                              f"(more than lr / 100 = {lr / 100:.0e}): did share_updates send each parameter from the "
+                              "rank that stepped it (its owner in shards)?")
+    bad = [n for n, v in norms.items() if n not in r0["param_norms"] or abs(r0["param_norms"][n] - v) > NORM_RTOL * abs(v)]
+    if bad:
+        return Verdict(False, f"the parameters {bad[:4]} after training differ from the grader's own reference (one "
+                              "process on the global batch, plain AdamW). Step each parameter once, with the averaged "
+                              "gradient, and leave AdamW's settings as they are (lr=LR, its defaults otherwise).")
+    held = ", ".join(f"{r['optimizer_bytes']:,}" for _, r in sorted(ranks.items()))
+    return Verdict(True, f"every parameter is stepped on exactly one rank; the ranks hold {held} bytes of AdamW state, "
+                         f"1/{NPROC} of an unsharded AdamW's {unsharded:,} within {slack:,.0f} (whole parameters); "
+                         f"the owners stepped with the averaged gradient; after training every rank holds the same "
+                         f"parameters, equal to DDP's (max difference {worst:.1e}) and to the grader's one-process "
+                         "reference.")
+
+
+def collect(path: str | Path, timeout: float = 180) -> list[dict] | Verdict:
+    """Run the script on 2 ranks: its RESULT lines, or a failing verdict saying why there are none."""
+    return run_exercise(path, NPROC, "a function of the exercise", timeout, hint=_hint)
+
+
+def _hint(output: str) -> str:
+    """A likely cause of a job that did not finish, read from its output."""
+    if "empty parameter list" in output:
+        return (" A rank's AdamW got no parameter at all: partition left that rank without a share. Give every "
+                "rank some parameters, balanced by size.")
+    return ""
+
+
+def references(path: str | Path) -> dict:
+    """The grader's own references for the script at ``path`` (its constants read, not run)."""
+    constants = harness_constants(path)
+    unsharded, slack = state_budget(constants)
+    return {"reference": reference_gradients(constants), "norms": reference_norms(constants),
+            "unsharded": unsharded, "slack": slack, "lr": constants["LR"]}
+
+
+def grade(path: str | Path, timeout: float = 180, records: list | None = None) -> Verdict:
+    """Run the script on 2 ranks, then compare with the grader's own references.
+
+    ``records``: a list that receives the job's RESULT rows (one per rank), for a notebook that shows
+    what the job measured without launching it again.
+    """
+    found = collect(path, timeout)
+    if isinstance(found, Verdict):
+        return found
+    if records is not None:
+        records[:] = found
+    return diagnose(found, **references(path))
