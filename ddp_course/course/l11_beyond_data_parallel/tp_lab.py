@@ -1,0 +1,301 @@
+"""Tensor parallelism with PyTorch's own API: MiniGPT's attention and MLP split over the ranks.
+
+    torchrun --standalone --nproc_per_node=2 -m ddp_course.course.l11_beyond_data_parallel.tp_lab --out_dir=runs/11/tp
+
+Every rank builds the same MiniGPT (same seed) and hands the linear layers of every block to
+``torch.distributed.tensor.parallel.parallelize_module`` over a 1-D device mesh of all the ranks:
+``attn.qkv`` and ``mlp.fc`` column-wise (``ColwiseParallel``: each rank holds a block of the output
+features), ``attn.proj`` and ``mlp.proj`` row-wise (``RowwiseParallel``: the matching block of input
+features; the partial outputs are all-reduced, the bias added once). Their weights become DTensors;
+the embeddings, the LayerNorms and the head stay whole on every rank. Every rank then trains on the
+same batches (the course's corpus), and rank 0 trains one unsplit model on them too, for comparison.
+
+The attention needs two changes, both from outside ``ddp_course/model.py``:
+
+- ``qkv`` is ONE fused linear layer whose 3C output rows are all of q, then all of k, then all of v.
+  A column-wise shard of it in that order gives rank 0 of 2 all of q and half of k. So before
+  parallelizing, the rows are reordered head-major per rank (``rearrange_qkv``): rank r's contiguous
+  block becomes [q of its heads; k of its heads; v of its heads] -- the same weights, in another order.
+- ``CausalSelfAttention.forward`` splits the qkv output at C and uses all ``n_head`` heads; on a rank,
+  the output holds 3C/N features of n_head/N heads. ``HeadParallelAttention`` is the same computation
+  with the rank's local head count (heads are independent: no communication until ``proj``).
+
+The lab also runs, forward only, the naive plan (the fused weight sharded in its original order with
+the head-parallel forward), to show the loss that the mix-up of q and k gives. It counts the collectives
+of one training step's forward and backward (``CommDebugMode``) and each rank's parameter bytes.
+``--device=auto`` (default) uses one GPU per rank with NCCL when every rank has one, else the CPU with
+gloo. Rank 0 writes ``tp_lab.json`` into ``--out_dir``. Options are ``--key=value`` (``--help``).
+
+Exercise 11 (``exercises/11_tensor_parallel.py``, the MLP split by hand) and its grader reuse
+``biased_model`` and ``hidden_block`` from here.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ddp_course.cli import FlagError, command, parse_flags
+from ddp_course.course.l06_grad_accumulation.no_sync_lab import tiny_model
+from ddp_course.course.options import require_device
+from ddp_course.dist import log, setup
+from ddp_course.metrics import write_json
+from ddp_course.model import CausalSelfAttention, MiniGPT
+from ddp_course.paths import show
+
+PROG = "torchrun --standalone --nproc_per_node=2 -m ddp_course.course.l11_beyond_data_parallel.tp_lab"
+DEFAULTS: dict[str, Any] = {
+    "out_dir": "runs/11/tp",
+    "steps": 6,  # AdamW steps
+    "n_layer": 2, "n_head": 4, "n_embd": 64, "block_size": 32,
+    "batch_size": 8,  # sequences per step, the same on every rank (tensor parallelism splits the model, not the batch)
+    "lr": 3e-3, "seed": 0, "corpus": "tinyshakespeare",
+    "device": "auto", "timeout_s": 60.0,
+}
+HELP = {
+    "out_dir": "where rank 0 writes tp_lab.json",
+    "steps": "AdamW steps, tensor-parallel and one process side by side",
+    "n_layer": "transformer blocks", "n_head": "attention heads (a multiple of the number of ranks)",
+    "n_embd": "model width (its heads and 4 x n_embd hidden units split evenly over the ranks)",
+    "block_size": "tokens per sequence", "batch_size": "sequences per step (every rank the same)",
+    "lr": "AdamW learning rate", "seed": "model initialisation and batch order", "corpus": "the training text",
+    "device": "auto (NCCL on GPUs when each rank has one, else gloo on CPU) | cpu | cuda",
+    "timeout_s": "process-group timeout in seconds",
+}
+
+
+# --------------------------------------------------------------------------------------------------
+# pieces shared with exercise 11 and its grader
+
+def hidden_block(n: int, rank: int, world_size: int) -> slice:
+    """Rank ``rank``'s block of ``n`` features in ``torch.chunk`` order: ``slice(r * n / N, (r + 1) * n / N)``."""
+    if n % world_size:
+        raise ValueError(f"{n} features do not split evenly over {world_size} ranks")
+    size = n // world_size
+    return slice(rank * size, (rank + 1) * size)
+
+
+def biased_model(seed: int = 0, **shape: int) -> MiniGPT:
+    """``tiny_model(seed, **shape)`` with the bias of every linear layer drawn at random (std 0.02), the same in every process.
+
+    MiniGPT starts with zero biases, which would hide a bias added on every rank instead of once.
+    """
+    model = tiny_model(seed, **shape)
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, nn.Linear) and m.bias is not None:
+                m.bias.copy_(0.02 * torch.randn(m.bias.shape, generator=g))
+    return model
+
+
+# --------------------------------------------------------------------------------------------------
+# the attention, split by heads
+
+def qkv_order(n_embd: int, world_size: int) -> torch.Tensor:
+    """The permutation of qkv's 3C output rows that makes rank r's contiguous block [q_r; k_r; v_r].
+
+    Row ``i`` of the reordered weight is row ``qkv_order(...)[i]`` of the original one; q_r, k_r, v_r
+    are rank r's block (``hidden_block``) of the rows of q (0 .. C-1), k (C .. 2C-1) and v (2C .. 3C-1).
+    """
+    parts = []
+    for r in range(world_size):
+        block = hidden_block(n_embd, r, world_size)
+        parts += [torch.arange(which * n_embd + block.start, which * n_embd + block.stop) for which in range(3)]
+    return torch.cat(parts)
+
+
+def qkv_layout(n_embd: int, n_head: int, world_size: int, rearranged: bool) -> list[list[str]]:
+    """What each rank's column-wise shard of qkv holds, as runs like ``"q heads 0-1"`` (for the notebook)."""
+    rows = qkv_order(n_embd, world_size) if rearranged else torch.arange(3 * n_embd)
+    hs = n_embd // n_head
+    out = []
+    for r in range(world_size):
+        runs: list[tuple[str, list[int]]] = []
+        for row in rows[hidden_block(3 * n_embd, r, world_size)].tolist():
+            which, head = "qkv"[row // n_embd], (row % n_embd) // hs
+            if runs and runs[-1][0] == which:
+                if runs[-1][1][-1] != head:
+                    runs[-1][1].append(head)
+            else:
+                runs.append((which, [head]))
+        out.append([f"{w} heads {h[0]}-{h[-1]}" if len(h) > 1 else f"{w} head {h[0]}" for w, h in runs])
+    return out
+
+
+def rearrange_qkv(attn: CausalSelfAttention, world_size: int) -> None:
+    """Reorder ``attn.qkv``'s output rows (weight and bias) in place with ``qkv_order``."""
+    order = qkv_order(attn.qkv.out_features // 3, world_size)
+    with torch.no_grad():
+        attn.qkv.weight.copy_(attn.qkv.weight[order])
+        attn.qkv.bias.copy_(attn.qkv.bias[order])
+
+
+class HeadParallelAttention(nn.Module):
+    """``CausalSelfAttention``'s computation on this rank's heads: the same layers, n_head / N heads.
+
+    ``qkv``'s (column-wise sharded) output holds this rank's q, k and v, C/N features each; the heads'
+    outputs, C/N features, go into ``proj`` (row-wise sharded), which sums the ranks' partial outputs.
+    """
+
+    def __init__(self, attn: CausalSelfAttention, world_size: int) -> None:
+        super().__init__()
+        self.qkv, self.proj, self.resid_drop = attn.qkv, attn.proj, attn.resid_drop
+        self.n_head = attn.n_head // world_size  # the heads on this rank
+        self.dropout = attn.dropout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        q, k, v = self.qkv(x).chunk(3, dim=2)  # 3 x (B, T, C/N): this rank's heads
+        q, k, v = (t.view(B, T, self.n_head, -1).transpose(1, 2) for t in (q, k, v))  # (B, nh/N, T, hs)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                           dropout_p=self.dropout if self.training else 0.0)
+        y = y.transpose(1, 2).contiguous().view(B, T, -1)  # (B, T, C/N): this rank's heads, in order
+        return self.resid_drop(self.proj(y))
+
+
+def tensor_parallel(model: MiniGPT, mesh, rearrange: bool = True) -> MiniGPT:
+    """Split every block's attention (by heads) and MLP (by hidden units) over ``mesh``, in place."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    n = mesh.size()
+    for block in model.blocks:
+        if rearrange:
+            rearrange_qkv(block.attn, n)
+        block.attn = HeadParallelAttention(block.attn, n)
+        parallelize_module(block, mesh, {"attn.qkv": ColwiseParallel(), "attn.proj": RowwiseParallel(),
+                                         "mlp.fc": ColwiseParallel(), "mlp.proj": RowwiseParallel()})
+    return model
+
+
+def rel_diff(got: torch.Tensor, want: torch.Tensor) -> float:
+    """max |got - want| over max |want|: a difference relative to the size of what is compared."""
+    return ((got - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
+
+
+def parameter_bytes(model: nn.Module) -> dict[str, int]:
+    """Bytes of parameters this rank holds: in all, in sharded (DTensor) and in whole (plain) tensors."""
+    from torch.distributed.tensor import DTensor
+
+    sharded = sum(p.to_local().numel() * p.element_size() for p in model.parameters() if isinstance(p, DTensor))
+    whole = sum(p.numel() * p.element_size() for p in model.parameters() if not isinstance(p, DTensor))
+    return {"total": sharded + whole, "sharded": sharded, "replicated": whole}
+
+
+def count_collectives(fn) -> dict[str, int]:
+    """Run ``fn()`` and count the collectives DTensor issued meanwhile, by name (``CommDebugMode``)."""
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    with warnings.catch_warnings():  # CommDebugMode's module tracker warns on inputs without gradient
+        warnings.filterwarnings("ignore", message="Full backward hook")
+        with CommDebugMode() as comm:
+            fn()
+    return {str(op).split(".")[-1]: n for op, n in comm.get_comm_counts().items()}  # e.g. all_reduce
+
+
+# --------------------------------------------------------------------------------------------------
+
+def check_options(opts: dict[str, Any], world_size: int) -> None:
+    for key in ("steps", "n_layer", "n_head", "n_embd", "block_size", "batch_size"):
+        if opts[key] < 1:
+            raise FlagError(f"--{key} must be at least 1 (got {opts[key]}).")
+    if opts["n_embd"] % opts["n_head"]:
+        raise FlagError(f"--n_embd={opts['n_embd']} must be a multiple of --n_head={opts['n_head']}.")
+    if opts["n_head"] % world_size:
+        raise FlagError(f"--n_head={opts['n_head']} heads cannot be split evenly over {world_size} ranks: "
+                        f"choose a multiple of {world_size}.")
+
+
+@command
+def main(argv: list[str]) -> int:
+    opts = parse_flags(argv, DEFAULTS, PROG, doc=__doc__, helps=HELP)
+    import os
+
+    check_options(opts, int(os.environ.get("WORLD_SIZE", 1)))
+    require_device(opts["device"])
+    with setup(device=opts["device"], timeout_s=opts["timeout_s"]) as info:
+        if not info.is_distributed:
+            raise FlagError(f"the lab needs a process group: launch it with `{PROG}`.")
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from ddp_course.data import prepare, train_batches
+
+        device, n = info.device, info.world_size
+        shape = {k: opts[k] for k in ("block_size", "n_layer", "n_head", "n_embd")}
+        data = prepare(opts["corpus"], opts["block_size"], 0.1, announce=lambda _: None)
+        vocab = data.tokenizer.vocab_size
+        batches = train_batches(data.train, opts["batch_size"], rank=0, world_size=1, seed=opts["seed"])  # same on every rank
+        steps = [tuple(t.to(device) for t in next(batches)) for _ in range(opts["steps"])]
+
+        def build() -> MiniGPT:
+            torch.manual_seed(opts["seed"])
+            from ddp_course.model import GPTConfig
+
+            return MiniGPT(GPTConfig(vocab_size=vocab, **shape)).to(device)
+
+        mesh = init_device_mesh(device.type, (n,))
+        full_bytes = parameter_bytes(build())["total"]
+        with torch.no_grad():  # the first batch's logits: one process, and the naive plan
+            logits_single, loss_single = build()(*steps[0])
+            naive = tensor_parallel(build(), mesh, rearrange=False)  # the fused qkv sharded in its own order
+            logits_naive, loss_naive = naive(*steps[0])
+        del naive
+
+        model = tensor_parallel(build(), mesh)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=opts["lr"])
+        mine = parameter_bytes(model)
+        losses, counts = [], {}
+        for i, (x, y) in enumerate(steps):
+            if i == 0:  # count the first step's collectives, forward and backward apart
+                out: dict[str, Any] = {}
+                counts["forward"] = count_collectives(lambda: out.setdefault("step0", model(x, y)))
+                logits, loss = out["step0"]
+                counts["backward"] = count_collectives(loss.backward)
+                logits_diff = {"tp": rel_diff(logits.detach(), logits_single),
+                               "naive": rel_diff(logits_naive, logits_single)}
+            else:
+                _, loss = model(x, y)
+                loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+
+        single = []
+        if info.is_main:  # one process, the unsplit model, the same batches
+            ref = build()
+            ref_opt = torch.optim.AdamW(ref.parameters(), lr=opts["lr"])
+            for x, y in steps:
+                _, loss = ref(x, y)
+                loss.backward()
+                ref_opt.step()
+                ref_opt.zero_grad(set_to_none=True)
+                single.append(loss.item())
+        per_rank = [None] * n
+        dist.all_gather_object(per_rank, {"rank": info.rank, "losses": losses, "param_bytes": mine})
+        if info.is_main:
+            diff = max(abs(a - b) / abs(b) for r in per_rank for a, b in zip(r["losses"], single))
+            result = {"world_size": n, "backend": info.backend, "device": device.type, "options": opts,
+                      "losses_tp": losses, "losses_single": single, "max_rel_diff": diff,
+                      "ranks": per_rank, "full_param_bytes": full_bytes, "collectives": counts,
+                      "first_logits_rel_diff": logits_diff,
+                      "naive_qkv": {"loss": loss_naive.item(), "single_loss": loss_single.item(),
+                                    "layout": qkv_layout(shape["n_embd"], shape["n_head"], n, rearranged=False)},
+                      "rearranged_layout": qkv_layout(shape["n_embd"], shape["n_head"], n, rearranged=True)}
+            path = Path(opts["out_dir"]) / "tp_lab.json"
+            write_json(path, result)
+            log(f"[tp_lab] {n} ranks, {info.device_reason}; {opts['steps']} AdamW steps: tensor-parallel vs one "
+                f"process, max relative loss difference {diff:.1e}; rank 0 holds {mine['total']:,} of {full_bytes:,} "
+                f"parameter bytes; wrote {show(path)}")
+        dist.barrier()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

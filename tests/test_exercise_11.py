@@ -1,0 +1,123 @@
+"""Exercise 11's grader accepts the solution and rejects each classic mistake of tensor parallelism by
+hand (the MLP split Megatron-style), saying which one it is.
+
+Every wrong attempt is the answered solution with ONE body replaced -- a function's, or a method's of
+the autograd functions f and g or of ``TensorParallelMLP`` -- by what a learner would have written
+there; each is graded by a real 2-rank job. The diagnoses a job would take too long to show one by one
+(the other slicing function, an extra all-reduce in g's backward) are checked on RESULT rows built in
+this process.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+from harness import answered_exercise, exercise_attempt
+
+from ddp_course import check
+from ddp_course.course.l11_beyond_data_parallel import grader
+
+NAME = "11_tensor_parallel.py"
+
+
+def method_attempt(tmp_path: Path, qualname: str, body: str) -> Path:
+    """The answered exercise with the body of method ``Class.method`` replaced by ``body`` (indented)."""
+    cls, name = qualname.split(".")
+    source = answered_exercise(NAME)
+    klass = next(n for n in ast.parse(source).body if isinstance(n, ast.ClassDef) and n.name == cls)
+    fn = next(n for n in klass.body if isinstance(n, ast.FunctionDef) and n.name == name)
+    first = fn.body[1] if isinstance(fn.body[0], ast.Expr) and isinstance(fn.body[0].value, ast.Constant) else fn.body[0]
+    lines = source.splitlines(keepends=True)
+    path = tmp_path / f"11_{cls}_{name}.py"
+    path.write_text("".join(lines[:first.lineno - 1]) + body + "".join(lines[fn.end_lineno:]), encoding="utf-8")
+    return path
+
+
+@pytest.mark.timeout(120)
+def test_solution_passes(tmp_path):
+    path = tmp_path / "11_answered.py"
+    path.write_text(answered_exercise(NAME), encoding="utf-8")
+    assert check.check_harness("11", path).ok  # the answer regions inside classes count as answers too
+    verdict = grader.grade(path, timeout=90)
+    assert verdict.ok, verdict.message
+    assert "one-process reference" in verdict.message and "tolerance" in verdict.message
+
+
+MISTAKES = {
+    # g's forward hands the partial output on: each rank goes on with its own hidden units' share
+    "no all-reduce after the row-parallel layer": (
+        "ReduceFromParallelRegion.forward", "        return x\n",
+        ("no all-reduce after the row-parallel proj", "g's forward must all-reduce")),
+    # proj applied whole (with its bias) to the rank's hidden units: the all-reduce adds the bias N times
+    "bias added on every rank": (
+        "TensorParallelMLP.forward", "        x = CopyToParallelRegion.apply(x)\n"
+                                     "        return self.drop(ReduceFromParallelRegion.apply(self.proj(F.gelu(self.fc(x)))))\n",
+        ("added on every rank", "add proj's bias once")),
+    # f's backward forgets the sum: the forward is right, the gradients before the MLP are not
+    "no all-reduce of the input's gradient": (
+        "CopyToParallelRegion.backward", "        return grad\n",
+        ("no all-reduce of the input's gradient in f's backward", "LayerNorm")),
+    # rows and columns swapped: nn.Linear's weight is (out_features, in_features)
+    "weight sliced along the wrong dimension": (
+        "column_shard", "    return fc.weight.chunk(world_size, dim=1)[rank], fc.bias.chunk(world_size)[rank]\n",
+        ("sliced fc.weight along the wrong dimension", "rows (dim 0)")),
+    # f all-reduces in forward as well as in backward: fc sees N times its input
+    "an all-reduce in f's forward too": (
+        "CopyToParallelRegion.forward", "        total = x.clone()\n"
+                                        "        dist.all_reduce(total)\n"
+                                        "        return total\n",
+        ("all-reduce in the forward of the column-parallel side", "f's forward must return its input unchanged")),
+}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("mistake", list(MISTAKES))
+def test_classic_mistake_is_rejected_and_named(mistake, tmp_path):
+    where, body, phrases = MISTAKES[mistake]
+    path = (method_attempt(tmp_path, where, body) if "." in where else
+            exercise_attempt(tmp_path, NAME, where, body))
+    verdict = grader.grade(path, timeout=90)
+    assert not verdict.ok
+    assert all(p in verdict.message for p in phrases), verdict.message
+
+
+# --- the diagnoses on rows built here (no job) ------------------------------------------------------
+
+def constants() -> dict:
+    return grader.harness_constants(Path(__file__).resolve().parents[1] / "solutions" / "exercises" / NAME)
+
+
+def rows_from_reference(scale: dict[str, float] | None = None) -> list[dict]:
+    """RESULT rows of a script whose every number equals the grader's reference (times ``scale[name]``)."""
+    c = constants()
+    ref = grader.reference(c)
+    scale = scale or {}
+    return [{"rank": r, "shard_error": None, "shards_match": {}, "loss": ref["loss"], "logits_rel_diff": 1e-7,
+             "grads": {n: {"norm": v * scale.get(n, 1.0), "rel_diff": 1e-7} for n, v in ref["norms"][r].items()},
+             "losses": {"tp": ref["losses"], "single": ref["losses"]}} for r in range(grader.NPROC)]
+
+
+def test_reference_rows_pass():
+    assert grader.diagnose(rows_from_reference(), constants()).ok
+
+
+def test_row_shard_sliced_along_the_wrong_dimension_is_named():
+    rows = [{"rank": r, "shard_error": {"what": "row_shard's weight", "got": [16, 128], "want": [32, 64]}}
+            for r in range(grader.NPROC)]
+    message = grader.diagnose(rows, constants()).message
+    assert "sliced proj.weight along the wrong dimension" in message and "columns (dim 1)" in message
+
+
+def test_an_all_reduce_in_gs_backward_is_named():
+    # the output's gradient summed over 2 ranks: every MLP weight's (and fc.bias's) gradient doubles
+    doubled = {f"blocks.{b}{s}": 2.0 for b in range(2) for s in (".mlp.fc.weight", ".mlp.fc.bias", ".mlp.proj.weight")}
+    message = grader.diagnose(rows_from_reference(doubled), constants()).message
+    assert "2 times too large" in message and "g's backward" in message
+
+
+def test_shards_of_the_wrong_block_are_named():
+    rows = rows_from_reference()
+    rows[1]["shards_match"] = {"blocks.0.mlp.fc.weight": False}
+    assert "not the rank's block" in grader.diagnose(rows, constants()).message
