@@ -427,10 +427,14 @@ def bubble_formula(p: int, m: int) -> float:
 def measure_bubble(opts: dict[str, Any], vocab: int, tokens: torch.Tensor, info, ms: list[int]) -> dict[str, Any]:
     """Time the forward-and-backward phase of GPipe for every m, ``--repeats`` times, interleaved.
 
-    Wall time of a repeat: from a barrier (every rank's clock starts there) to the moment the last
-    stage to finish is done (the largest of the ranks' own end times). Busy: the sum of this rank's
-    compute intervals. The optimizer step is left out: it is the same for every m."""
+    Wall time of a repeat: from the moment the first rank leaves a barrier to the moment the last
+    stage is done. Busy: the sum of a rank's compute intervals. The ranks leave a barrier up to a few
+    milliseconds apart on a loaded machine, so on one node (``time.perf_counter`` reads the same
+    monotonic clock in every process there) all ranks' times are put on one clock, that of the first
+    rank to leave; across nodes each rank's clock starts at its own exit from the barrier. The
+    optimizer step is left out: it is the same for every m."""
     p = info.world_size
+    shared_clock = info.local_world_size == info.world_size  # one node: one monotonic clock
     stage, _ = split_stages(build_model(opts, vocab, info.device), info.rank, p)
     x, y = batches(tokens, opts, 1, info.device)[0]
     act = (opts["block_size"], opts["n_embd"])
@@ -445,17 +449,20 @@ def measure_bubble(opts: dict[str, Any], vocab: int, tokens: torch.Tensor, info,
             out = gpipe_step(stage, x, y, m, act_shape=act, clock=clock)
             stage.zero_grad(set_to_none=True)
             busy = sum(b - a for _, _, a, b in out["intervals"])
-            rows[m].append({"busy": busy, "end": out["end"], "intervals": out["intervals"]})
+            rows[m].append({"clock": clock, "busy": busy, "end": out["end"], "intervals": out["intervals"]})
     gathered: list = [None] * p
     dist.all_gather_object(gathered, rows)  # every rank's rows, to compute the common wall time
     per_m = {}
     for m in ms:
         reps = []
         for r in range(opts["repeats"]):
-            wall = max(g[m][r]["end"] for g in gathered)
+            first = min(g[m][r]["clock"] for g in gathered)
+            shift = [g[m][r]["clock"] - first if shared_clock else 0.0 for g in gathered]  # onto one clock
+            wall = max(g[m][r]["end"] + d for g, d in zip(gathered, shift))
             busy = [g[m][r]["busy"] for g in gathered]
             reps.append({"wall": wall, "busy": busy, "idle": [1 - b / wall for b in busy],
-                         "intervals": [g[m][r]["intervals"] for g in gathered]})
+                         "intervals": [[(k, i, a + d, b + d) for k, i, a, b in g[m][r]["intervals"]]
+                                       for g, d in zip(gathered, shift)]})
         idle = [statistics.mean(r["idle"]) for r in reps]  # mean over the stages, one value per repeat
         median_rep = sorted(range(len(reps)), key=lambda i: idle[i])[len(reps) // 2]
         spans = {k: [b - a for r in reps for stage_iv in r["intervals"] for kind, _, a, b in stage_iv if kind == k]
@@ -472,7 +479,7 @@ def measure_bubble(opts: dict[str, Any], vocab: int, tokens: torch.Tensor, info,
             f"({min(idle):.1%}-{max(idle):.1%} over {len(idle)}), formula {s['formula']:.1%}; "
             f"wall {statistics.median(s['wall_s']) * 1e3:.1f} ms, one micro-batch F {s['forward_s'] * 1e3:.2f} ms "
             f"B {s['backward_s'] * 1e3:.2f} ms")
-    return {"stages": p, "micro_batches": ms, "repeats": opts["repeats"], "per_m": per_m}
+    return {"stages": p, "micro_batches": ms, "repeats": opts["repeats"], "shared_clock": shared_clock, "per_m": per_m}
 
 
 def measure_transfer(opts: dict[str, Any], info, m: int, rounds: int = 20) -> dict[str, Any]:
