@@ -180,7 +180,7 @@ def test_pp_memory_communication_and_bubble():
     four = plan.pp(SMALL, 4, 8, micro_batches=8)
     assert four.bubble == pytest.approx(3 / 11) and four.calls == 2 * 8  # a middle stage: both directions
     with pytest.raises(ValueError, match="cannot fill"):
-        plan.pp(SMALL, 5, 10)
+        plan.pp(SMALL, 5, 10, micro_batches=5)
     with pytest.raises(ValueError, match="micro-batches"):
         plan.pp(SMALL, 2, 8, micro_batches=3)
 

@@ -236,7 +236,7 @@ def gpipe_step(stage: Stage, x: torch.Tensor, y: torch.Tensor, m: int, *, act_sh
     xs, ys = x.chunk(m), y.chunk(m)
     inputs: list[torch.Tensor] = []
     outputs: list[torch.Tensor] = []
-    sends: list = []
+    sends: list = []  # (work, tensor): each tensor stays referenced until its send has completed
     intervals: list[tuple[str, int, float, float]] = []
     total_loss = torch.zeros((), device=device)
 
@@ -261,7 +261,8 @@ def gpipe_step(stage: Stage, x: torch.Tensor, y: torch.Tensor, m: int, *, act_sh
             total_loss += out.detach()
         else:
             out = timed("F", i, stage, inp)
-            sends.append(dist.isend(out.detach(), dst=rank + 1))
+            act = out.detach()
+            sends.append((dist.isend(act, dst=rank + 1), act))
         inputs.append(inp)
         outputs.append(out)
     for i in range(m):  # all backwards
@@ -272,9 +273,9 @@ def gpipe_step(stage: Stage, x: torch.Tensor, y: torch.Tensor, m: int, *, act_sh
             dist.recv(grad, src=rank + 1)
             timed("B", i, outputs[i].backward, grad)
         if not stage.first:
-            sends.append(dist.isend(inputs[i].grad, dst=rank - 1))
+            sends.append((dist.isend(inputs[i].grad, dst=rank - 1), inputs[i].grad))
         outputs[i] = inputs[i] = None  # free this micro-batch's activations
-    for work in sends:
+    for work, _ in sends:
         work.wait()
     _sync(device)
     return {"loss": total_loss.item() if stage.last else None, "intervals": intervals,
