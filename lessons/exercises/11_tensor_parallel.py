@@ -98,10 +98,14 @@ def row_shard(proj: nn.Linear, rank: int, world_size: int) -> tuple[torch.Tensor
 class ShardError(ValueError):
     """A shard of the wrong shape (raised by the harness before any forward)."""
 
+    def __init__(self, what: str, got: tuple[int, ...], want: tuple[int, ...]) -> None:
+        super().__init__(f"{what} has shape {got}, but this rank's shard must be {want}")
+        self.what, self.got, self.want = what, got, want
+
 
 def expect_shape(what: str, got: torch.Tensor, want: tuple[int, ...]) -> None:
     if tuple(got.shape) != want:
-        raise ShardError(f"{what} has shape {tuple(got.shape)}, but this rank's shard must be {want}")
+        raise ShardError(what, tuple(got.shape), want)
 
 
 class TensorParallelMLP(nn.Module):
@@ -132,11 +136,10 @@ class TensorParallelMLP(nn.Module):
 
 def expected_slice(name: str, full: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
     """The part of the one-process tensor ``name`` that this rank's parameter of that name holds."""
-    block = hidden_block(full.shape[0] if ".mlp.fc." in name else full.shape[-1], rank, world_size)
     if ".mlp.fc." in name:
-        return full[block]  # rows of fc.weight, entries of fc.bias
+        return full[hidden_block(full.shape[0], rank, world_size)]  # rows of fc.weight, entries of fc.bias
     if name.endswith(".mlp.proj.weight"):
-        return full[:, block]  # columns of proj.weight
+        return full[:, hidden_block(full.shape[1], rank, world_size)]  # columns of proj.weight
     return full  # everything else is whole on every rank, proj.bias included
 
 
@@ -155,7 +158,8 @@ def main() -> None:
                 block.mlp = TensorParallelMLP(block.mlp, rank, world)
         except ShardError as exc:
             log(f"FAIL: {exc}", all_ranks=True)
-            sys.stdout.write("RESULT " + json.dumps({"rank": rank, "world_size": world, "shard_error": str(exc),
+            error = {"what": exc.what, "got": exc.got, "want": exc.want}
+            sys.stdout.write("RESULT " + json.dumps({"rank": rank, "world_size": world, "shard_error": error,
                                                      "ok": False}) + "\n")
             sys.stdout.flush()
             raise SystemExit(1) from None
