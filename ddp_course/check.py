@@ -11,13 +11,13 @@ course's own reference; it says what is wrong, not only that something is.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 
-@dataclass
+@dataclasses.dataclass
 class Verdict:
     ok: bool
     message: str
@@ -122,7 +122,7 @@ def run_exercise(path: str | Path, nproc: int, what: str, timeout: float, *,
     return found
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class Exercise:
     """One graded exercise script: its grader module and where a learner finds the script."""
 
@@ -252,7 +252,7 @@ def unfinished(source: str) -> list[str]:
 # surprise more than a verdict that says what it could not check.
 
 
-@dataclass
+@dataclasses.dataclass
 class Reference:
     """The shipped learner copy of an exercise script: its text and the name to show for it."""
 
@@ -715,7 +715,7 @@ def _graded_and_recorded(name: str, path: str | Path, grader, kwargs: dict, note
     started = time.time()
     verdict = grader.grade(path, **kwargs)
     if note:
-        verdict = Verdict(verdict.ok, f"{verdict.message} {note}")
+        verdict = dataclasses.replace(verdict, message=f"{verdict.message} {note}")  # a subclass keeps its records
     try:
         digest = sha256_file(path)
         entry = {"file": show(path), "sha256": digest, "grader": grader.__name__,
