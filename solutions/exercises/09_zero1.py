@@ -155,7 +155,8 @@ def main() -> None:
             f"({mine / full:.1%}); step-0 gradient vs DDP {grad_rel:.1e}; max |param - DDP| after {STEPS} steps "
             f"{diff:.2e}; ranks differ by {across:.1e} -> {'PASS' if ok else 'FAIL'}", all_ranks=True)
         sys.stdout.write("RESULT " + json.dumps({
-            "rank": info.rank, "world_size": n, "n_params": len(params), "param_numels": [p.numel() for p in params],
+            "rank": info.rank, "world_size": n, "shape": SHAPE, "n_params": len(params),
+            "param_numels": [p.numel() for p in params],
             "stepped": [names[i] if i >= 0 else None for i in stepped], "shards": [[int(i) for i in s] for s in shards],
             "optimizer_bytes": mine, "ddp_optimizer_bytes": full, "grad_norms": {k: g.norm().item() for k, g in grads.items()},
             "grad_rel_diff_vs_ddp": grad_rel, "max_abs_diff_vs_ddp": diff, "max_abs_diff_across_ranks": across,
