@@ -3,7 +3,7 @@
 Runs the script with torchrun on 2 processes. Every rank reports its shards' shapes (or the shape
 that was wrong), whether each shard holds the rank's block of the full weights, the loss of one
 forward on the exercise's batch, the norm of the gradient of each of its parameters (a shard's for
-the MLP's), and the losses of a few AdamW steps. The grader computes all of these itself, in this
+the MLP's), and the losses of a few SGD steps. The grader computes all of these itself, in this
 process, on one unsplit model built from the same seed (``tp_lab.biased_model``) and the same
 batches, and compares. When they differ, it names the mistake by what it measured:
 
@@ -27,11 +27,12 @@ from ddp_course.check import Verdict, run_exercise
 EXERCISE = "11_tensor_parallel.py"
 NPROC = 2
 # One process and 2 ranks add the same float32 terms in another grouping (each rank sums over its
-# hidden units, the all-reduce adds the ranks): the solution's loss and gradient norms differ from
-# the grader's by at most ~3e-7 relative (measured: loss 0 to 1e-7, gradient norms up to 3e-7,
-# AdamW losses up to 1e-7). Every classic mistake moves them by 1e-4 or much more (the smallest: a
-# bias added twice changes the loss by ~3e-4 relative; the others change it, or a gradient norm,
-# by 1e-3 to 1). 1e-5 sits between, with a factor of 30 on either side.
+# hidden units, the all-reduce adds the ranks). Measured, relative to the grader's own values: the
+# solution's loss 0, gradient norms up to 8e-7, SGD losses 0. Each classic mistake: the first loss
+# off by 3e-4 (no all-reduce in g), 5e-4 (proj's bias on every rank), 6e-4 (an all-reduce in f's
+# forward), or, where the forward is right, a gradient norm off by 0.37 (no all-reduce in f's
+# backward) or 1.0 (an all-reduce in g's backward). 1e-5 sits between: 12x above the solution's
+# worst, 30x below the smallest mistake.
 RTOL = 1e-5
 MLP = (".mlp.fc.weight", ".mlp.fc.bias", ".mlp.proj.weight", ".mlp.proj.bias")
 WHAT_TO_DO = {
@@ -77,7 +78,7 @@ def _slice(name: str, full, rank: int):
 
 @functools.lru_cache(maxsize=4)
 def _reference(key: str) -> dict:
-    """One process: the first loss, each rank's gradient norms (of its slices), the AdamW losses."""
+    """One process: the first loss, each rank's gradient norms (of its slices), the SGD losses."""
     import torch
 
     constants = json.loads(key)
@@ -85,11 +86,12 @@ def _reference(key: str) -> dict:
     _, loss = model(*data(0))
     loss.backward()
     norms = [{n: _slice(n, p.grad, r).norm().item() for n, p in model.named_parameters()} for r in range(NPROC)]
-    opt = torch.optim.AdamW(model.parameters(), lr=constants["LR"])
     losses = []
-    for step in range(constants["STEPS"]):  # the script's order: step, then the next batch's loss
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+    for step in range(constants["STEPS"]):  # the script's order: a step, then the next batch's loss
+        with torch.no_grad():
+            for p in model.parameters():  # plain SGD, as the script's harness steps
+                p -= constants["LR"] * p.grad
+                p.grad = None
         _, later = model(*data(step + 1))
         later.backward()
         losses.append(later.item())
@@ -217,14 +219,14 @@ def diagnose(found: list[dict], constants: dict) -> Verdict:
         return Verdict(False, problem)
     for rank, r in sorted(ranks.items()):
         if not all(_close(a, b) for a, b in zip(r["losses"]["tp"], ref["losses"])):
-            return Verdict(False, f"one forward and backward are right, but after AdamW steps rank {rank}'s losses "
+            return Verdict(False, f"one forward and backward are right, but after SGD steps rank {rank}'s losses "
                                   f"{[round(v, 6) for v in r['losses']['tp']]} differ from one process's "
                                   f"{[round(v, 6) for v in ref['losses']]}. Keep the shards as parameters of the "
                                   "module (the harness steps them) and compute with them.")
     worst_grad = max(g["rel_diff"] for r in ranks.values() for g in r["grads"].values())
     return Verdict(True, f"every rank's loss equals one process's ({ref['loss']:.6f}), its logits within "
                          f"{max(r['logits_rel_diff'] for r in ranks.values()):.1e} and its gradients (each shard "
-                         f"against its slice) within {worst_grad:.1e} of their size; after {constants['STEPS']} AdamW "
+                         f"against its slice) within {worst_grad:.1e} of their size; after {constants['STEPS']} SGD "
                          f"steps the losses still equal the grader's one-process reference (relative tolerance "
                          f"{RTOL:.0e}).")
 

@@ -181,11 +181,21 @@ def rel_diff(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def parameter_bytes(model: nn.Module) -> dict[str, int]:
-    """Bytes of parameters this rank holds: in all, in sharded (DTensor) and in whole (plain) tensors."""
+    """Bytes of parameters this rank holds: in all, in shards, and in tensors every rank holds whole.
+
+    A row-wise layer's bias is a DTensor too, but replicated (every rank holds all of it): it counts
+    as whole, with the plain tensors (embeddings, LayerNorms).
+    """
     from torch.distributed.tensor import DTensor
 
-    sharded = sum(p.to_local().numel() * p.element_size() for p in model.parameters() if isinstance(p, DTensor))
-    whole = sum(p.numel() * p.element_size() for p in model.parameters() if not isinstance(p, DTensor))
+    def is_shard(p) -> bool:
+        return isinstance(p, DTensor) and any(placement.is_shard() for placement in p.placements)
+
+    def local(p) -> torch.Tensor:
+        return p.to_local() if isinstance(p, DTensor) else p
+
+    sharded = sum(local(p).numel() * p.element_size() for p in model.parameters() if is_shard(p))
+    whole = sum(local(p).numel() * p.element_size() for p in model.parameters() if not is_shard(p))
     return {"total": sharded + whole, "sharded": sharded, "replicated": whole}
 
 
