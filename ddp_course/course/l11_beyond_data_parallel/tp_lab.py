@@ -21,7 +21,7 @@ The attention needs two changes, both from outside ``ddp_course/model.py``:
   with the rank's local head count (heads are independent: no communication until ``proj``).
 
 The lab also runs, forward only, the naive plan (the fused weight sharded in its original order with
-the head-parallel forward), to show the loss that the mix-up of q and k gives. It counts the collectives
+the head-parallel forward), to show how far the mix-up of q, k and v moves the logits. It counts the collectives
 of one training step's forward and backward (``CommDebugMode``) and each rank's parameter bytes.
 ``--device=auto`` (default) uses one GPU per rank with NCCL when every rank has one, else the CPU with
 gloo. Rank 0 writes ``tp_lab.json`` into ``--out_dir``. Options are ``--key=value`` (``--help``).
@@ -47,7 +47,7 @@ from ddp_course.course.l06_grad_accumulation.no_sync_lab import tiny_model
 from ddp_course.course.options import require_device
 from ddp_course.dist import log, setup
 from ddp_course.metrics import write_json
-from ddp_course.model import CausalSelfAttention, MiniGPT
+from ddp_course.model import CausalSelfAttention, GPTConfig, MiniGPT
 from ddp_course.paths import show
 
 PROG = "torchrun --standalone --nproc_per_node=2 -m ddp_course.course.l11_beyond_data_parallel.tp_lab"
@@ -199,15 +199,33 @@ def parameter_bytes(model: nn.Module) -> dict[str, int]:
     return {"total": sharded + whole, "sharded": sharded, "replicated": whole}
 
 
-def count_collectives(fn) -> dict[str, int]:
-    """Run ``fn()`` and count the collectives DTensor issued meanwhile, by name (``CommDebugMode``)."""
+def count_collectives(fn, *args) -> tuple[Any, dict[str, int]]:
+    """``fn(*args)``, and the collectives DTensor issued meanwhile by name, e.g. {"all_reduce": 4} (``CommDebugMode``)."""
     from torch.distributed.tensor.debug import CommDebugMode
 
     with warnings.catch_warnings():  # CommDebugMode's module tracker warns on inputs without gradient
         warnings.filterwarnings("ignore", message="Full backward hook")
         with CommDebugMode() as comm:
-            fn()
-    return {str(op).split(".")[-1]: n for op, n in comm.get_comm_counts().items()}  # e.g. all_reduce
+            out = fn(*args)
+    return out, {str(op).split(".")[-1]: n for op, n in comm.get_comm_counts().items()}
+
+
+def train(model: nn.Module, steps: list, lr: float) -> tuple[list[float], torch.Tensor, dict[str, dict[str, int]]]:
+    """AdamW on ``steps`` (x, y) batches: the losses, the first batch's logits, and the first step's
+    collectives, forward and backward apart."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    losses, counts, first = [], {}, None
+    for x, y in steps:
+        if first is None:
+            (first, loss), counts["forward"] = count_collectives(model, x, y)
+            _, counts["backward"] = count_collectives(loss.backward)
+        else:
+            _, loss = model(x, y)
+            loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses, first.detach(), counts
 
 
 # --------------------------------------------------------------------------------------------------
@@ -223,11 +241,20 @@ def check_options(opts: dict[str, Any], world_size: int) -> None:
                         f"choose a multiple of {world_size}.")
 
 
+def same_batches(opts: dict[str, Any], device: torch.device) -> tuple[list, int]:
+    """``--steps`` batches of the corpus, the same on every rank, and the vocabulary size."""
+    from ddp_course.data import prepare, train_batches
+
+    data = prepare(opts["corpus"], opts["block_size"], 0.1, announce=lambda _: None)
+    batches = train_batches(data.train, opts["batch_size"], rank=0, world_size=1, seed=opts["seed"])
+    return [tuple(t.to(device) for t in next(batches)) for _ in range(opts["steps"])], data.tokenizer.vocab_size
+
+
 @command
 def main(argv: list[str]) -> int:
-    opts = parse_flags(argv, DEFAULTS, PROG, doc=__doc__, helps=HELP)
     import os
 
+    opts = parse_flags(argv, DEFAULTS, PROG, doc=__doc__, helps=HELP)
     check_options(opts, int(os.environ.get("WORLD_SIZE", 1)))
     require_device(opts["device"])
     with setup(device=opts["device"], timeout_s=opts["timeout_s"]) as info:
@@ -235,69 +262,37 @@ def main(argv: list[str]) -> int:
             raise FlagError(f"the lab needs a process group: launch it with `{PROG}`.")
         from torch.distributed.device_mesh import init_device_mesh
 
-        from ddp_course.data import prepare, train_batches
-
         device, n = info.device, info.world_size
         shape = {k: opts[k] for k in ("block_size", "n_layer", "n_head", "n_embd")}
-        data = prepare(opts["corpus"], opts["block_size"], 0.1, announce=lambda _: None)
-        vocab = data.tokenizer.vocab_size
-        batches = train_batches(data.train, opts["batch_size"], rank=0, world_size=1, seed=opts["seed"])  # same on every rank
-        steps = [tuple(t.to(device) for t in next(batches)) for _ in range(opts["steps"])]
+        steps, vocab = same_batches(opts, device)
 
-        def build() -> MiniGPT:
+        def build() -> MiniGPT:  # the same weights in every process
             torch.manual_seed(opts["seed"])
-            from ddp_course.model import GPTConfig
-
             return MiniGPT(GPTConfig(vocab_size=vocab, **shape)).to(device)
 
         mesh = init_device_mesh(device.type, (n,))
-        full_bytes = parameter_bytes(build())["total"]
-        with torch.no_grad():  # the first batch's logits: one process, and the naive plan
+        with torch.no_grad():  # the first batch: one process, and the naive plan (the fused qkv sharded as it is)
             logits_single, loss_single = build()(*steps[0])
-            naive = tensor_parallel(build(), mesh, rearrange=False)  # the fused qkv sharded in its own order
-            logits_naive, loss_naive = naive(*steps[0])
-        del naive
-
+            logits_naive, loss_naive = tensor_parallel(build(), mesh, rearrange=False)(*steps[0])
         model = tensor_parallel(build(), mesh)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=opts["lr"])
         mine = parameter_bytes(model)
-        losses, counts = [], {}
-        for i, (x, y) in enumerate(steps):
-            if i == 0:  # count the first step's collectives, forward and backward apart
-                out: dict[str, Any] = {}
-                counts["forward"] = count_collectives(lambda: out.setdefault("step0", model(x, y)))
-                logits, loss = out["step0"]
-                counts["backward"] = count_collectives(loss.backward)
-                logits_diff = {"tp": rel_diff(logits.detach(), logits_single),
-                               "naive": rel_diff(logits_naive, logits_single)}
-            else:
-                _, loss = model(x, y)
-                loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            losses.append(loss.item())
-
-        single = []
-        if info.is_main:  # one process, the unsplit model, the same batches
-            ref = build()
-            ref_opt = torch.optim.AdamW(ref.parameters(), lr=opts["lr"])
-            for x, y in steps:
-                _, loss = ref(x, y)
-                loss.backward()
-                ref_opt.step()
-                ref_opt.zero_grad(set_to_none=True)
-                single.append(loss.item())
+        losses, logits, counts = train(model, steps, opts["lr"])
+        single = train(build(), steps, opts["lr"])[0] if info.is_main else []  # one process, the same batches
         per_rank = [None] * n
         dist.all_gather_object(per_rank, {"rank": info.rank, "losses": losses, "param_bytes": mine})
         if info.is_main:
+            full_bytes = parameter_bytes(build())["total"]
             diff = max(abs(a - b) / abs(b) for r in per_rank for a, b in zip(r["losses"], single))
+            layout = {f"{'rearranged' if r else 'naive'}": qkv_layout(shape["n_embd"], shape["n_head"], n, r)
+                      for r in (False, True)}
             result = {"world_size": n, "backend": info.backend, "device": device.type, "options": opts,
                       "losses_tp": losses, "losses_single": single, "max_rel_diff": diff,
+                      "first_logits_rel_diff": {"tp": rel_diff(logits, logits_single),
+                                                "naive": rel_diff(logits_naive, logits_single)},
                       "ranks": per_rank, "full_param_bytes": full_bytes, "collectives": counts,
-                      "first_logits_rel_diff": logits_diff,
                       "naive_qkv": {"loss": loss_naive.item(), "single_loss": loss_single.item(),
-                                    "layout": qkv_layout(shape["n_embd"], shape["n_head"], n, rearranged=False)},
-                      "rearranged_layout": qkv_layout(shape["n_embd"], shape["n_head"], n, rearranged=True)}
+                                    "layout": layout["naive"]},
+                      "rearranged_layout": layout["rearranged"]}
             path = Path(opts["out_dir"]) / "tp_lab.json"
             write_json(path, result)
             log(f"[tp_lab] {n} ranks, {info.device_reason}; {opts['steps']} AdamW steps: tensor-parallel vs one "
