@@ -13,7 +13,7 @@ the usual ring algorithms (an all-reduce of S bytes over n ranks sends 2 (n - 1)
 all-gather or a reduce-scatter (n - 1) / n x S); ``calls``: the collectives or messages of one rank
 per step; ``bubble``: the pipeline's idle fraction (0 elsewhere).
 
-Lesson 09's calculator (``ddp_course.course.l09_fsdp.memory``) gives DDP and FSDP outright
+Lesson 09's calculator (``ddp_course.course.l09_fsdp.memory``) gives DDP, ZeRO-1 and FSDP outright
 (``predict``), and its ``parameter_table`` and ``activation_bytes`` are the ground for the others.
 The formula of each layout is in its function's docstring: :func:`ddp`, :func:`zero1`, :func:`fsdp`,
 :func:`tp`, :func:`pp`, :func:`fsdp_tp`.
@@ -88,21 +88,18 @@ def ddp(shape: dict[str, int], world_size: int, batch_size: int) -> Layout:
 
 
 def zero1(shape: dict[str, int], world_size: int, batch_size: int) -> Layout:
-    """ZeRO-1 as PyTorch's ``ZeroRedundancyOptimizer`` does it under DDP: weights and gradients whole on
-    every rank, AdamW's states only for the parameters this rank updates. Its partition gives whole
-    tensors to ranks, the largest first, each to the rank with the fewest elements so far; the fullest
-    rank is shown. Per step DDP's all-reduce, then every rank broadcasts the weights it updated: an
-    all-gather's worth, (N - 1) / N x 4P more bytes, 1.5 x DDP's in all (the ZeRO paper's version
-    reduce-scatters the gradients instead of all-reducing them, and moves DDP's bytes)."""
+    """ZeRO-1 as PyTorch's ``ZeroRedundancyOptimizer`` does it under DDP (``memory.predict("zero1", ...)``):
+    weights and gradients whole on every rank, AdamW's states only for the tensors this rank owns --
+    whole tensors, the largest first, each to the rank that owns the fewest elements so far
+    (``memory.zero1_partition``); the fullest rank is shown. Per step DDP's all-reduce, then every
+    rank broadcasts the weights it updated: an all-gather's worth, (N - 1) / N x 4P more bytes,
+    1.5 x DDP's in all (the ZeRO paper's version reduce-scatters the gradients instead of
+    all-reducing them, and moves DDP's bytes)."""
     base = ddp(shape, world_size, batch_size)
-    loads = [[0, 0] for _ in range(world_size)]  # elements and tensors per rank
-    for t in sorted(memory.parameter_table(shape), key=lambda t: t.numel, reverse=True):
-        r = min(range(world_size), key=lambda i: loads[i][0])
-        loads[r][0] += t.numel
-        loads[r][1] += 1
-    optimizer = max(2 * numel * FP32 + count * FP32 for numel, count in loads)
+    rows = memory.predict("zero1", world_size, shape, micro_batch_size=batch_size // world_size)
+    r = max(rows, key=lambda x: x["states"])
     size = n_params(shape) * FP32
-    return Layout("ZeRO-1", f"DP {world_size}", base.params, base.grads, optimizer, base.activations, 0,
+    return Layout("ZeRO-1", f"DP {world_size}", r["params"], r["grads"], r["optimizer"], r["activations"], 0,
                   base.comm + _all_gather(size, world_size), base.calls + world_size, 0.0,
                   "all-reduce of the gradients, broadcast of the updated weights")
 
