@@ -22,9 +22,8 @@ def solution(tmp_path_factory):
     """The answered solution graded once: (verdict, its RESULT rows, the grader's references, its path)."""
     path = tmp_path_factory.mktemp("zero1") / NAME
     path.write_text(answered_exercise(NAME), encoding="utf-8")
-    records: list[dict] = []
-    verdict = grader.grade(path, timeout=180, records=records)
-    return verdict, records, grader.references(path), path
+    verdict = grader.grade(path, timeout=180)
+    return verdict, verdict.records, grader.references(path), path
 
 
 @pytest.mark.timeout(240)

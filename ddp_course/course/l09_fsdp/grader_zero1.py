@@ -15,7 +15,8 @@ The grader checks, against references of its own:
 - the training: every rank holds the same parameters, equal to DDP's within the script's tolerance,
   and every parameter's norm equals that of a one-process run on the global batch (``reference_norms``);
 
-and names the mistake behind what it measured.
+and names the mistake behind what it measured. The verdict carries the job's RESULT rows
+(``verdict.records``), which the notebook's memory table reads.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ddp_course.check import Verdict, run_exercise
+from ddp_course.course.l05_inside_ddp.grader import GradedRun  # a verdict that carries the job's RESULT records
 from ddp_course.course.l09_fsdp.grader import NORM_RTOL, harness_constants, reference_norms
 
 EXERCISE = "09_zero1.py"
@@ -202,15 +204,14 @@ def references(path: str | Path) -> dict:
             "unsharded": unsharded, "slack": slack, "lr": constants["LR"]}
 
 
-def grade(path: str | Path, timeout: float = 180, records: list | None = None) -> Verdict:
+def grade(path: str | Path, timeout: float = 180) -> GradedRun:
     """Run the script on 2 ranks, then compare with the grader's own references.
 
-    ``records``: a list that receives the job's RESULT rows (one per rank), for a notebook that shows
-    what the job measured without launching it again.
+    The verdict carries the job's RESULT rows (``verdict.records``, one per rank; empty when the job
+    gave none): the notebook shows what the job measured without launching it again.
     """
     found = collect(path, timeout)
     if isinstance(found, Verdict):
-        return found
-    if records is not None:
-        records[:] = found
-    return diagnose(found, **references(path))
+        return GradedRun(found.ok, found.message)
+    verdict = diagnose(found, **references(path))
+    return GradedRun(verdict.ok, verdict.message, found)
