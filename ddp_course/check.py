@@ -29,6 +29,14 @@ class Verdict:
         return f"**{'PASS' if self.ok else 'FAIL'}**: {self.message}"
 
 
+@dataclasses.dataclass
+class GradedRun(Verdict):
+    """A verdict that keeps the job's ``RESULT`` records (one per rank; empty when the job gave none),
+    so that a notebook can show what the graded run measured without launching it again."""
+
+    records: list[dict] = dataclasses.field(default_factory=list, repr=False)
+
+
 NOT_COMPLETE = "exercise not complete"
 STUB = "exercise: complete this part"  # the message of the stub every TODO of lessons/ raises
 

@@ -22,10 +22,9 @@ learner's DDP beside torch's from the same job (``comparison``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from pathlib import Path
 
-from ddp_course.check import Verdict, run_exercise
+from ddp_course.check import GradedRun, Verdict, run_exercise
 
 EXERCISE = "05_my_ddp.py"
 NPROC = 2
@@ -49,13 +48,6 @@ STEPS = 3
 # below the closest mistake.
 PARAM_ATOL = 1e-6
 INIT_ATOL = 0.0  # a broadcast copies the bytes: the replicas start bit-for-bit equal to rank 0's
-
-
-@dataclass
-class GradedRun(Verdict):
-    """A verdict with the run's RESULT records (one per rank; empty when the job gave none)."""
-
-    records: list[dict] = field(default_factory=list, repr=False)
 
 
 def expected_buckets(names_sizes: list[tuple[str, int]], cap_bytes: int) -> list[list[str]]:

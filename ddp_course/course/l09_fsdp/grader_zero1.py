@@ -23,8 +23,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ddp_course.check import Verdict, run_exercise
-from ddp_course.course.l05_inside_ddp.grader import GradedRun  # a verdict that carries the job's RESULT records
+from ddp_course.check import GradedRun, Verdict, run_exercise
 from ddp_course.course.l09_fsdp.grader import NORM_RTOL, harness_constants, reference_norms
 
 EXERCISE = "09_zero1.py"
