@@ -212,21 +212,24 @@ def is_stub(node) -> bool:
 
 def unfinished(source: str) -> list[str]:
     """Where ``source`` still raises the exercise's stub: ``["name()", ...]`` for each top-level
-    function that does, ``["the script"]`` for a stub outside any function; [] when none is left
-    (or the file does not parse: the grader's run then shows the error)."""
+    function that does, ``["Class.method()", ...]`` for each method of a top-level class that does,
+    ``["the script"]`` for a stub anywhere else; [] when none is left (or the file does not parse:
+    the grader's run then shows the error)."""
     import ast
 
     try:
         tree = ast.parse(source)
     except SyntaxError:
         return []
+    functions = (ast.FunctionDef, ast.AsyncFunctionDef)
     where = []
     for node in tree.body:
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            if any(is_stub(n) for n in ast.walk(node)):
-                where.append(f"{node.name}()")
-        elif any(is_stub(n) for n in ast.walk(node)):
-            where.append("the script")
+        parts = ([(f"{node.name}()", node)] if isinstance(node, functions) else
+                 [(f"{node.name}.{fn.name}()", fn) for fn in node.body if isinstance(fn, functions)]
+                 if isinstance(node, ast.ClassDef) else [])
+        named = [name for name, fn in parts if any(is_stub(n) for n in ast.walk(fn))]
+        rest = sum(is_stub(n) for n in ast.walk(node)) > sum(is_stub(n) for _, fn in parts for n in ast.walk(fn))
+        where += named + (["the script"] if rest and "the script" not in where else [])
     return where
 
 

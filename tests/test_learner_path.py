@@ -296,3 +296,9 @@ def test_unanswered_lesson(name, tmp_path):
     for i in p["grading"]:
         assert got[i]["error"] is not None and NOT_COMPLETE in got[i]["text"], \
             "a check passed (or did not run) on an unanswered exercise\n" + where(i)
+
+
+def test_a_stub_in_a_method_is_named_by_its_class():
+    stub = f'raise NotImplementedError("{STUB}")'
+    src = f"class F:\n    def forward(self):\n        {stub}\n\n    def ok(self):\n        return 1\n\n\ndef g():\n    {stub}\n"
+    assert check.unfinished(src) == ["F.forward()", "g()"]
