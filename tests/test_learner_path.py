@@ -299,6 +299,9 @@ def test_unanswered_lesson(name, tmp_path):
 
 
 def test_a_stub_in_a_method_is_named_by_its_class():
+    from ddp_course import check
+    from ddp_course.check import STUB
+
     stub = f'raise NotImplementedError("{STUB}")'
     src = f"class F:\n    def forward(self):\n        {stub}\n\n    def ok(self):\n        return 1\n\n\ndef g():\n    {stub}\n"
     assert check.unfinished(src) == ["F.forward()", "g()"]
