@@ -733,6 +733,8 @@ def _graded_and_recorded(name: str, path: str | Path, grader, kwargs: dict, note
                  "grader_sha256": sha256_file(grader.__file__), "options": grader_options(grader, path, kwargs),
                  "started": started, "elapsed_s": round(time.time() - started, 3), "ok": verdict.ok,
                  "message": verdict.message}
+        if isinstance(verdict, GradedRun):
+            entry["records"] = verdict.records  # what the job measured, for whoever reads this verdict again
         older = [e for e in recorded(name) if e.get("sha256") != digest]
         write_json(record_path(name), {"exercise": name, "verdicts": [entry, *older][:RECORD_KEEP]})
     except (OSError, TypeError, ValueError):

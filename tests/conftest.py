@@ -4,19 +4,42 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 import time
 
 import pytest
 from harness import SHARED_DATA, TINY
 
+_CACHE = pytest.StashKey[str]()  # the session's XDG_CACHE_HOME (see pytest_configure)
+
 
 def pytest_configure(config: pytest.Config) -> None:
-    """Point the corpus at ../shared/data on development and CI machines (they have no network).
+    """Point the corpus at ../shared/data on development and CI machines (they have no network), and
+    give the session a cache of its own.
 
-    A real user's DDP_COURSE_DATA, if set, wins. This runs before any test module is imported.
+    A real user's DDP_COURSE_DATA, if set, wins. This runs before any test module is imported, and
+    before any notebook's kernel starts: kernels inherit this environment.
+
+    The cache (``XDG_CACHE_HOME``) starts empty, so what the course caches there (exercise 04's
+    one-process reference) is computed once in the session, by this code, never read from an earlier
+    session: lesson 04's grading cell computes it and the tests read it. A corpus already in the
+    user's cache is read from there (DDP_COURSE_DATA) rather than downloaded again.
     """
-    if "DDP_COURSE_DATA" not in os.environ and (SHARED_DATA / "tinyshakespeare.txt").is_file():
-        os.environ["DDP_COURSE_DATA"] = str(SHARED_DATA)
+    if "DDP_COURSE_DATA" not in os.environ:
+        from ddp_course.data import SHAKESPEARE_FILE, cache_dir
+
+        for folder in (SHARED_DATA, cache_dir()):
+            if (folder / SHAKESPEARE_FILE).is_file():
+                os.environ["DDP_COURSE_DATA"] = str(folder)
+                break
+    config.stash[_CACHE] = tempfile.mkdtemp(prefix="ddp_course_cache_")
+    os.environ["XDG_CACHE_HOME"] = config.stash[_CACHE]
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if _CACHE in config.stash:
+        shutil.rmtree(config.stash[_CACHE], ignore_errors=True)
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
@@ -33,13 +56,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.path.suffix == ".ipynb":
             item.add_marker(pytest.mark.slow)
-
-
-@pytest.fixture(scope="session")
-def session_cache_home(tmp_path_factory) -> str:
-    """An XDG_CACHE_HOME that starts empty in this session: what the course caches there (exercise 04's
-    one-process reference) is computed once in the session, by its code, never read from an earlier one."""
-    return str(tmp_path_factory.mktemp("cache"))
 
 
 @pytest.fixture

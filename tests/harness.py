@@ -159,3 +159,20 @@ def exercise_attempt(tmp_path: Path, name: str, function: str, body: str) -> Pat
     path = tmp_path / f"{Path(name).stem}_{function}.py"
     path.write_text(replace_function_body(answered_exercise(name), function, body), encoding="utf-8")
     return path
+
+
+def grade_in_pairs(grade: Callable[[Path], object], attempts: dict[str, Path], alone: int = 0) -> dict[str, object]:
+    """``{name: grade(path)}`` for every attempt, two jobs at a time after the first ``alone`` ones.
+
+    A grading job spends much of its time waiting (process start-up, rendezvous, a timeout or a
+    sleep it measures against), which a second job can use: on 2 cores, four of exercise 04's
+    attempts took 36 s this way instead of 45 s one after the other. ``alone`` grades the first
+    attempts by themselves, e.g. one that fills a cache the others then read.
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    names = list(attempts)
+    found = {name: grade(attempts[name]) for name in names[:alone]}
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        found.update(zip(names[alone:], pool.map(lambda name: grade(attempts[name]), names[alone:])))
+    return found

@@ -219,15 +219,6 @@ def test_recipe_refuses_unknown_options_and_variants():
 
 # --- exercise 04 and its grader ---------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def fresh_cache(session_cache_home):
-    """The grader caches its one-process reference; this module uses the session's cache, empty when the
-    session started, so that the reference is trained in this session (once, by the first grading)."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("XDG_CACHE_HOME", session_cache_home)
-        yield
-
-
 def _broken(tmp_path: Path, old: str, new: str, name: str) -> Path:
     src = SOLUTION.read_text()
     assert src.count(old) == 1, f"the solution no longer contains {old!r}"
@@ -237,7 +228,7 @@ def _broken(tmp_path: Path, old: str, new: str, name: str) -> Path:
 
 
 @pytest.mark.timeout(300)
-def test_grader_fails_without_the_sampler_and_says_why(fresh_cache, tmp_path):
+def test_grader_fails_without_the_sampler_and_says_why(tmp_path):
     from ddp_course.course.l04_ddp.grader import grade
 
     path = _broken(tmp_path,

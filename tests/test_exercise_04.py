@@ -10,28 +10,17 @@ graded the same file in this session (``notebook_runs.grade``).
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
-
 import notebook_runs
 import pytest
-from harness import answered_exercise, exercise_attempt
+from harness import answered_exercise, exercise_attempt, grade_in_pairs
 
 from ddp_course.course.l04_ddp import grader
 
 NAME = "04_ddp_convert.py"
 
 
-@pytest.fixture(scope="module")
-def fresh_cache(session_cache_home):
-    """The grader caches its one-process reference; the session's cache, empty when the session started,
-    makes it trained once in this session (by the first grading, here or in tests/test_ddp_lesson.py)."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("XDG_CACHE_HOME", session_cache_home)
-        yield
-
-
 @pytest.mark.timeout(300)
-def test_solution_passes_and_logs_the_one_process_loss(fresh_cache, tmp_path):
+def test_solution_passes_and_logs_the_one_process_loss(tmp_path):
     path = tmp_path / "04_answered.py"
     path.write_text(answered_exercise(NAME))
     verdict = notebook_runs.grade("04", path, timeout=180)
@@ -62,20 +51,13 @@ MISTAKES = {
 
 
 @pytest.fixture(scope="module")
-def verdicts(fresh_cache, tmp_path_factory) -> dict:
+def verdicts(tmp_path_factory) -> dict:
     """{mistake: the grader's verdict on the attempt with that mistake}. The first is graded alone (it
-    may train the cached reference), the others two at a time: each job waits on process start-ups and
-    rendezvous that the other can use (measured on 2 cores: 36 s instead of 45 s for four attempts)."""
-    def grade(mistake: str):
-        function, body, _ = MISTAKES[mistake]
-        folder = tmp_path_factory.mktemp("attempt")
-        return grader.grade(exercise_attempt(folder, NAME, function, body), timeout=180)
-
-    first, *others = MISTAKES
-    found = {first: grade(first)}
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        found.update(zip(others, pool.map(grade, others)))
-    return found
+    trains the session's cached reference, unless lesson 04's grading cell did), the others two at a
+    time (``harness.grade_in_pairs``)."""
+    attempts = {m: exercise_attempt(tmp_path_factory.mktemp("attempt"), NAME, function, body)
+                for m, (function, body, _) in MISTAKES.items()}
+    return grade_in_pairs(lambda path: grader.grade(path, timeout=180), attempts, alone=1)
 
 
 @pytest.mark.timeout(300)

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import copy
 
+import notebook_runs
 import pytest
-from harness import answered_exercise
+from harness import answered_exercise, grade_in_pairs
 
 from ddp_course.check import replace_function_body
 from ddp_course.course.l05_inside_ddp import grader
@@ -35,7 +36,7 @@ def attempt(tmp_path, replacements: dict[str, str]):
 def solution(tmp_path_factory):
     path = tmp_path_factory.mktemp("answered") / "05_answered.py"
     path.write_text(answered_exercise(NAME), encoding="utf-8")
-    return grader.grade(path, timeout=180)
+    return notebook_runs.grade("05", path, timeout=180)  # lesson 05's grading cell's verdict, when it graded these bytes
 
 
 @pytest.mark.timeout(300)
@@ -80,11 +81,19 @@ MISTAKES = {
 }
 
 
+@pytest.fixture(scope="module")
+def verdicts(tmp_path_factory) -> dict:
+    """{mistake: the grader's verdict on the attempt with that mistake}, graded two at a time."""
+    attempts = {m: attempt(tmp_path_factory.mktemp("attempt"), replacements)
+                for m, (replacements, _) in MISTAKES.items()}
+    return grade_in_pairs(lambda path: grader.grade(path, timeout=180), attempts)
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("mistake", list(MISTAKES))
-def test_classic_mistake_is_rejected_and_named(mistake, tmp_path):
-    replacements, phrases = MISTAKES[mistake]
-    verdict = grader.grade(attempt(tmp_path, replacements), timeout=180)
+def test_classic_mistake_is_rejected_and_named(mistake, verdicts):
+    _, phrases = MISTAKES[mistake]
+    verdict = verdicts[mistake]
     assert not verdict.ok
     assert all(p in verdict.message for p in phrases), verdict.message
 

@@ -8,8 +8,9 @@ RESULT rows, altered the way those mistakes alter them (no job).
 
 from __future__ import annotations
 
+import notebook_runs
 import pytest
-from harness import answered_exercise, exercise_attempt
+from harness import answered_exercise, exercise_attempt, grade_in_pairs
 
 from ddp_course.course.l09_fsdp import grader_zero1 as grader
 from ddp_course.course.l09_fsdp import memory
@@ -22,7 +23,7 @@ def solution(tmp_path_factory):
     """The answered solution graded once: (verdict, its RESULT rows, the grader's references, its path)."""
     path = tmp_path_factory.mktemp("zero1") / NAME
     path.write_text(answered_exercise(NAME), encoding="utf-8")
-    verdict = grader.grade(path, timeout=180)
+    verdict = notebook_runs.grade("09", path, timeout=180)  # lesson 09's grading cell's, when it graded these bytes
     return verdict, verdict.records, grader.references(path), path
 
 
@@ -64,11 +65,19 @@ MISTAKES = {
 }
 
 
-@pytest.mark.timeout(240)
+@pytest.fixture(scope="module")
+def verdicts(tmp_path_factory) -> dict:
+    """{mistake: the grader's verdict on the attempt with that mistake}, graded two at a time."""
+    attempts = {m: exercise_attempt(tmp_path_factory.mktemp("attempt"), NAME, function, body)
+                for m, (function, body, _) in MISTAKES.items()}
+    return grade_in_pairs(lambda path: grader.grade(path, timeout=180), attempts)
+
+
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("mistake", list(MISTAKES))
-def test_classic_mistake_is_rejected_and_named(mistake, tmp_path):
-    function, body, phrases = MISTAKES[mistake]
-    verdict = grader.grade(exercise_attempt(tmp_path, NAME, function, body), timeout=180)
+def test_classic_mistake_is_rejected_and_named(mistake, verdicts):
+    _, _, phrases = MISTAKES[mistake]
+    verdict = verdicts[mistake]
     assert not verdict.ok
     assert all(p in verdict.message for p in phrases), verdict.message
 

@@ -13,8 +13,9 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import notebook_runs
 import pytest
-from harness import answered_exercise, exercise_attempt
+from harness import answered_exercise, exercise_attempt, grade_in_pairs
 
 from ddp_course import check
 from ddp_course.course.l11_beyond_data_parallel import grader
@@ -40,7 +41,7 @@ def test_solution_passes(tmp_path):
     path = tmp_path / "11_answered.py"
     path.write_text(answered_exercise(NAME), encoding="utf-8")
     assert check.check_harness("11", path).ok  # the answer regions inside classes count as answers too
-    verdict = grader.grade(path, timeout=90)
+    verdict = notebook_runs.grade("11", path, timeout=90)  # lesson 11's grading cell's, when it graded these bytes
     assert verdict.ok, verdict.message
     assert "one-process reference" in verdict.message and "tolerance" in verdict.message
 
@@ -72,13 +73,22 @@ MISTAKES = {
 }
 
 
-@pytest.mark.timeout(120)
+@pytest.fixture(scope="module")
+def verdicts(tmp_path_factory) -> dict:
+    """{mistake: the grader's verdict on the attempt with that mistake}, graded two at a time."""
+    def path(where: str, body: str) -> Path:
+        folder = tmp_path_factory.mktemp("attempt")
+        return method_attempt(folder, where, body) if "." in where else exercise_attempt(folder, NAME, where, body)
+
+    attempts = {m: path(where, body) for m, (where, body, _) in MISTAKES.items()}
+    return grade_in_pairs(lambda p: grader.grade(p, timeout=90), attempts)
+
+
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("mistake", list(MISTAKES))
-def test_classic_mistake_is_rejected_and_named(mistake, tmp_path):
-    where, body, phrases = MISTAKES[mistake]
-    path = (method_attempt(tmp_path, where, body) if "." in where else
-            exercise_attempt(tmp_path, NAME, where, body))
-    verdict = grader.grade(path, timeout=90)
+def test_classic_mistake_is_rejected_and_named(mistake, verdicts):
+    _, _, phrases = MISTAKES[mistake]
+    verdict = verdicts[mistake]
     assert not verdict.ok
     assert all(p in verdict.message for p in phrases), verdict.message
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
-from ddp_course.check import Verdict, last_lines, run_exercise
+from ddp_course.check import GradedRun, Verdict, last_lines, run_exercise
 
 NPROC = 2
 EXERCISE = "10_dataloader.py"
@@ -83,12 +83,12 @@ def _crash_hint(output: str) -> str:
     return ""
 
 
-def collect(path: str | Path, timeout: float = 120, out_dir: str | Path | None = None) -> list[dict] | Verdict:
+def collect(path: str | Path, timeout: float = 120) -> list[dict] | Verdict:
     """Run the script on 2 ranks: its RESULT lines (sorted by rank), or the failing verdict saying why
     there are none (a TODO left, a crash: a DataLoader argument error is named)."""
     with tempfile.TemporaryDirectory(prefix="g10_") as tmp:
         found = run_exercise(path, NPROC, "make_loader() or start_epoch()", timeout, hint=_crash_hint,
-                             tail=lambda output: last_lines(output, 12), out_dir=out_dir or tmp)
+                             tail=lambda output: last_lines(output, 12), out_dir=tmp)
     if isinstance(found, Verdict):
         return found
     return sorted(found, key=lambda r: r["rank"])
@@ -255,24 +255,25 @@ def diagnose(found: list[dict]) -> Verdict:
     return _speed_verdict(found)
 
 
-def summary(found: list[dict], verdict: Verdict) -> dict:
-    """What a notebook shows of a graded run: the timings per rank, the target and the verdict."""
+def summary(verdict: Verdict) -> dict:
+    """What a notebook shows of a graded run (its verdict from ``grade``): the timings per rank, the
+    target and the verdict."""
+    found = getattr(verdict, "records", None)
+    if not found:
+        raise ValueError(f"there is no timed run of your loader yet: the grading verdict is \"{verdict}\". "
+                         "Complete the exercise, re-run the grading cell, then this one.")
     return {"target": SPEEDUP_TARGET, "ranks": timings(found), "config": found[0]["config"],
             "loader": found[0]["loader"], "ok": verdict.ok, "message": verdict.message}
 
 
-def grade(path: str | Path, timeout: float = 120, out_dir: str | Path | None = None) -> Verdict:
+def grade(path: str | Path, timeout: float = 120) -> GradedRun:
     """Run the script on 2 ranks; check every rank's batches, then the speedup over the untuned loader.
 
-    With ``out_dir``, the job runs there and ``<out_dir>/grading.json`` keeps ``summary()`` of it (the
-    timings a notebook shows beside the verdict, from the same job).
+    The verdict carries the job's RESULT rows (``verdict.records``): ``summary(verdict)`` gives the
+    timings a notebook shows beside it, from the same job.
     """
-    found = collect(path, timeout, out_dir)
+    found = collect(path, timeout)
     if isinstance(found, Verdict):
-        return found
+        return GradedRun(found.ok, found.message)
     verdict = diagnose(found)
-    if out_dir is not None:
-        from ddp_course.metrics import write_json
-
-        write_json(Path(out_dir) / "grading.json", summary(found, verdict))
-    return verdict
+    return GradedRun(verdict.ok, verdict.message, found)
