@@ -5,8 +5,9 @@
   through gloo; a study of several jobs runs on one kind of device; two "nodes" on one machine never
   share a GPU. And the GPU reading of a profiler trace, on a small trace written by hand.
 - With one CUDA GPU (skipped otherwise): the 2-rank paths -- DDP training, the DDP half of the DP vs
-  DDP benchmark, the no_sync and profile labs -- with CUDA tensors on 2 ranks that share the GPU
-  through gloo (the test-only option), and the one-process labs on the GPU. The 2-GPU paths (NCCL
+  DDP benchmark, the no_sync and profile labs, ZeroRedundancyOptimizer's lab, the tensor- and
+  pipeline-parallel labs -- with CUDA tensors on 2 ranks that share the GPU through gloo (the
+  test-only option), and the one-process labs on the GPU. The 2-GPU paths (NCCL
   DDP/FSDP, DP) are tested where they live, on machines with two GPUs.
 """
 
@@ -158,6 +159,22 @@ def test_a_gpu_trace_is_read_from_the_kernels(tmp_path):
     assert stats["step_ms"] == pytest.approx(0.110)  # the step ends with its last kernel, not its CPU range
 
 
+def test_a_gloo_all_reduce_in_a_gpu_trace_counts_once(tmp_path):
+    # gloo with CUDA tensors (the test-only shared GPU): no NCCL kernel, so the all-reduce is gloo's CPU
+    # span; the profiler mirrors that span onto the GPU timeline (seen on an H100, torch 2.11), which
+    # must not count as a second all-reduce.
+    _gpu_trace(tmp_path / "nccl.json")
+    events = [e for e in json.loads((tmp_path / "nccl.json").read_text())["traceEvents"]
+              if not e["name"].startswith("nccl")]
+    mark = {"ph": "X", "name": "gloo:all_reduce", "ts": 50, "dur": 60, "pid": 1, "tid": 30, "cat": "user_annotation",
+            "args": {}}
+    events += [mark, {**mark, "ts": 95, "dur": 5, "tid": 7, "cat": "gpu_user_annotation"}]
+    (tmp_path / "gloo.json").write_text(json.dumps({"traceEvents": events}), encoding="utf-8")
+    trace = read_trace(tmp_path / "gloo.json")
+    assert trace["timeline"] == "gpu" and [c["start"] for c in trace["comm"]] == [pytest.approx(0.050)]
+    assert overlap_stats(trace)["n_allreduce"] == 1
+
+
 # --- one GPU, for real (skipped without one) -------------------------------------------------------
 
 def _one_gpu_shared() -> dict[str, str]:
@@ -205,8 +222,13 @@ def test_no_sync_lab_with_cuda_tensors(tmp_path):
              env=_one_gpu_shared(), timeout=240)
     res = json.loads((tmp_path / "no_sync_lab.json").read_text())
     assert res["device"] == "cuda" and res["backend"] == "gloo"
-    assert all(s["matches_big_batch"] for s in res["variants"]["no_sync"]["steps"])
-    assert not all(s["matches_big_batch"] for s in res["variants"]["backward_only"]["steps"])
+    # backward_only is lesson 06's silent bug: the right gradients at K times the traffic (every
+    # micro-step all-reduces), as on the CPU (tests/test_no_sync_lesson.py)
+    for variant in ("no_sync", "backward_only"):
+        assert all(s["matches_big_batch"] for s in res["variants"][variant]["steps"]), variant
+    assert all(s["synced_micro_steps"] == [s["micro_batches"] - 1] for s in res["variants"]["no_sync"]["steps"])
+    assert all(s["synced_micro_steps"] == list(range(s["micro_batches"]))
+               for s in res["variants"]["backward_only"]["steps"])
 
 
 @pytest.mark.cuda
@@ -246,3 +268,49 @@ def test_kill_lab_on_the_gpu_leaves_a_checkpoint_that_loads_on_the_cpu(tmp_path)
     opt = build_optimizer(model, TrainConfig(), torch.device("cpu"))
     meta = checkpoint.resume(checkpoint.latest(tmp_path), model, opt, None, DistInfo())
     assert meta["step"] == 1 and checkpoint.fingerprint(model, opt) == report["fingerprint"]
+
+
+@pytest.mark.cuda
+@pytest.mark.timeout(300)
+@needs_cuda
+def test_zero_redundancy_lab_with_cuda_tensors(tmp_path):
+    torchrun("ddp_course.course.l09_fsdp.zero_lab", 2, [f"--out_dir={tmp_path}"], env=_one_gpu_shared(), timeout=240)
+    lab = json.loads((tmp_path / "zero_lab.json").read_text())
+    assert (lab["device"], lab["backend"]) == ("cuda", "gloo")
+    lr = lab["options"]["lr"]
+    assert all(r["max_abs_diff_vs_ddp"] <= lr / 100 and r["max_abs_diff_across_ranks"] == 0 for r in lab["per_rank"])
+    assert all(r["zero_optimizer_bytes"] == r["predicted_zero1"] for r in lab["per_rank"])
+    assert lab["consolidated"]["same_parameters"] and lab["consolidated"]["max_abs_diff_moments"] <= lr / 100
+
+
+@pytest.mark.cuda
+@pytest.mark.timeout(300)
+@needs_cuda
+def test_tensor_parallel_lab_with_cuda_tensors(tmp_path):
+    torchrun("ddp_course.course.l11_beyond_data_parallel.tp_lab", 2, [f"--out_dir={tmp_path}"],
+             env=_one_gpu_shared(), timeout=240)
+    lab = json.loads((tmp_path / "tp_lab.json").read_text())
+    assert (lab["device"], lab["backend"]) == ("cuda", "gloo")
+    # the CPU's tolerance (tests/test_tensor_parallel.py): float32 matmuls on the GPU are still float32
+    # (TF32 is off for them by default), only summed in another order
+    assert lab["max_rel_diff"] <= 1e-5 and lab["first_logits_rel_diff"]["tp"] <= 1e-5
+    assert lab["losses_tp"][-1] < lab["losses_tp"][0]
+
+
+@pytest.mark.cuda
+@pytest.mark.timeout(300)
+@needs_cuda
+def test_pipeline_lab_with_cuda_tensors(tmp_path):
+    # gloo sends no CUDA tensors: the lab's own send/recv go through the CPU, and the library (which
+    # would need gloo to) is refused with a reason (NCCL, on two GPUs, runs it)
+    lab_module = "ddp_course.course.l11_beyond_data_parallel.pp_lab"
+    refused = torchrun(lab_module, 2, [f"--out_dir={tmp_path}"], env=_one_gpu_shared(), timeout=120, check=False)
+    assert refused.returncode != 0 and "error: torch.distributed.pipelining" in refused.stdout + refused.stderr
+    torchrun(lab_module, 2, [f"--out_dir={tmp_path}", "--micro_batches=1,4", "--repeats=2", "--library=false"],
+             env=_one_gpu_shared(), timeout=240)
+    lab = json.loads((tmp_path / "pp_lab.json").read_text())
+    assert (lab["device"], lab["backend"]) == ("cuda", "gloo")
+    par = lab["parity"]["variants"]
+    assert par["gpipe"]["matches"] and "torch_pipelining" not in par
+    assert not par["no_tied_sync"]["matches"] and not par["no_loss_scale"]["matches"]
+    assert all(0 < i < 1 for r in lab["bubble"]["per_m"].values() for i in r["idle"])

@@ -163,7 +163,7 @@ def read_trace(path: str | Path, step_name: str = "step") -> dict[str, Any]:
     only *queue* kernels (and run on the autograd engine's thread for the GPU, not the main thread),
     so ``compute`` is the GPU kernels that backward's functions launched (matched to their launch
     by the trace's ``correlation`` id), with their times on the GPU, and ``comm`` is NCCL's kernels
-    (gloo's CPU spans when no NCCL kernel is in the trace). Each GPU span also carries
+    (gloo's CPU spans when no NCCL kernel is in the trace, without their GPU-timeline mirrors). Each GPU span also carries
     ``launched``: when the CPU queued it, which is what places it in a step (a step's kernels may
     still run after its CPU range has ended).
     """
@@ -209,8 +209,10 @@ def read_trace(path: str | Path, step_name: str = "step") -> dict[str, Any]:
         nccl = [k for k in kernels if str(k["name"]).lower().startswith("nccl")]
         nccl_ids = {id(k) for k in nccl}
         compute = [ms(k, launch_ts(k)) for k in kernels if id(k) not in nccl_ids and from_backward(k)]
+        # gloo with CUDA tensors: its CPU spans; the profiler also mirrors each of them onto the GPU
+        # timeline (category gpu_user_annotation), which is the same all-reduce, not a second one
         comm = ([ms(k, launch_ts(k)) for k in nccl] if nccl else
-                [ms(e) for e in spans if e["name"] in COMM_EVENTS])
+                [ms(e) for e in spans if e["name"] in COMM_EVENTS and e.get("cat") != "gpu_user_annotation"])
         launch = [ms(e) for e in spans if str(e["name"]).startswith("c10d::allreduce")]
         timeline = "gpu"
     return {"steps": [ms(e) for e in steps], "phases": sorted(phases, key=lambda s: s["start"]),

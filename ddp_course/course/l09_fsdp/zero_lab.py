@@ -62,9 +62,13 @@ def state_bytes(optimizer: torch.optim.Optimizer) -> int:
 
 
 def compare_states(full: dict[str, Any], plain: dict[str, Any]) -> dict[str, Any]:
-    """The consolidated ZeRO state dict against a plain AdamW's: same parameters, largest moment difference."""
+    """The consolidated ZeRO state dict against a plain AdamW's: same parameters, largest moment difference.
+
+    ``consolidate_state_dict`` gathers the shards into CPU tensors, whatever the device: both sides are
+    compared on the CPU."""
     a, b = full["state"], plain["state"]
-    diff = max((a[k][m].float() - b[k][m].float()).abs().max().item() for k in b for m in ("exp_avg", "exp_avg_sq"))
+    diff = max((a[k][m].cpu().float() - b[k][m].cpu().float()).abs().max().item()
+               for k in b for m in ("exp_avg", "exp_avg_sq"))
     return {"same_parameters": sorted(a) == sorted(b), "max_abs_diff_moments": diff,
             "same_steps": all(float(a[k]["step"]) == float(b[k]["step"]) for k in b),
             "bytes": sum(v.numel() * v.element_size() for s in a.values() for v in s.values()

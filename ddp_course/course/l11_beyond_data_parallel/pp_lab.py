@@ -218,6 +218,35 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)  # CUDA kernels run asynchronously: a clock needs them finished
 
 
+# Point to point between stages. NCCL sends CUDA tensors as they are; gloo sends only CPU tensors
+# (PyTorch's table of backends: gloo has send/recv on CPU, not on GPU), so on gloo a CUDA tensor
+# travels through a CPU copy. The course only gets gloo with CUDA tensors from the test-only
+# shared-GPU option (``dist.SHARED_GPU_VAR``); on the CPU, and with NCCL, these are plain send/recv.
+
+def _through_cpu(t: torch.Tensor) -> bool:
+    return t.is_cuda and dist.get_backend() == "gloo"
+
+
+def send(t: torch.Tensor, dst: int) -> None:
+    dist.send(t.cpu() if _through_cpu(t) else t, dst=dst)
+
+
+def isend(t: torch.Tensor, dst: int) -> tuple[Any, torch.Tensor]:
+    """Start sending ``t``: (work, the tensor that must stay alive until ``work.wait()``)."""
+    buf = t.cpu() if _through_cpu(t) else t
+    return dist.isend(buf, dst=dst), buf
+
+
+def recv(t: torch.Tensor, src: int) -> None:
+    """Receive into ``t`` (blocking)."""
+    if _through_cpu(t):
+        buf = torch.empty_like(t, device="cpu")
+        dist.recv(buf, src=src)
+        t.copy_(buf)
+    else:
+        dist.recv(t, src=src)
+
+
 def gpipe_step(stage: Stage, x: torch.Tensor, y: torch.Tensor, m: int, *, act_shape: tuple[int, ...],
                scale_loss: bool = True, clock: float | None = None) -> dict[str, Any]:
     """One forward-and-backward of GPipe over ``m`` micro-batches; gradients accumulate in ``stage``.
@@ -254,7 +283,7 @@ def gpipe_step(stage: Stage, x: torch.Tensor, y: torch.Tensor, m: int, *, act_sh
             inp = xs[i]
         else:
             inp = torch.empty((xs[i].shape[0], *act_shape), device=device)
-            dist.recv(inp, src=rank - 1)
+            recv(inp, rank - 1)
             inp.requires_grad_(True)  # the backward must produce the gradient to send back
         if stage.last:
             out = timed("F", i, stage, inp, ys[i]) / (m if scale_loss else 1)  # this micro-batch's share
@@ -262,7 +291,7 @@ def gpipe_step(stage: Stage, x: torch.Tensor, y: torch.Tensor, m: int, *, act_sh
         else:
             out = timed("F", i, stage, inp)
             act = out.detach()
-            sends.append((dist.isend(act, dst=rank + 1), act))
+            sends.append(isend(act, rank + 1))
         inputs.append(inp)
         outputs.append(out)
     for i in range(m):  # all backwards
@@ -270,10 +299,10 @@ def gpipe_step(stage: Stage, x: torch.Tensor, y: torch.Tensor, m: int, *, act_sh
             timed("B", i, outputs[i].backward)
         else:
             grad = torch.empty_like(outputs[i])
-            dist.recv(grad, src=rank + 1)
+            recv(grad, rank + 1)
             timed("B", i, outputs[i].backward, grad)
         if not stage.first:
-            sends.append((dist.isend(inputs[i].grad, dst=rank - 1), inputs[i].grad))
+            sends.append(isend(inputs[i].grad, rank - 1))
         outputs[i] = inputs[i] = None  # free this micro-batch's activations
     for work, _ in sends:
         work.wait()
@@ -492,11 +521,11 @@ def measure_transfer(opts: dict[str, Any], info, m: int, rounds: int = 20) -> di
         dist.barrier()
         t0 = time.perf_counter()
         if info.rank == 0:
-            dist.send(t, dst=1)
-            dist.recv(t, src=1)
+            send(t, 1)
+            recv(t, 1)
         elif info.rank == 1:
-            dist.recv(t, src=0)
-            dist.send(t, dst=0)
+            recv(t, 0)
+            send(t, 0)
         _sync(info.device)
         times.append((time.perf_counter() - t0) / 2)
     times = times[2:]  # the first ones set up the connection
@@ -560,6 +589,10 @@ def main(argv: list[str]) -> int:
         if not info.is_distributed or info.world_size < 2:
             raise FlagError(f"a pipeline needs at least 2 stages, one per rank: launch it with `{PROG}`.")
         ms = check_options(opts, info.world_size)
+        if opts["library"] and info.device.type == "cuda" and info.backend == "gloo":
+            raise FlagError("torch.distributed.pipelining sends CUDA tensors with the process group's send/recv, "
+                            "which gloo does not do (only NCCL does): run with --library=false here, or with "
+                            "one GPU per rank (NCCL).")
         corpus = load_corpus(opts["corpus"], announce=log)
         tok = CharTokenizer.from_text(corpus.text)
         tokens = torch.tensor(tok.encode(corpus.text), dtype=torch.long)

@@ -213,7 +213,10 @@ def count_collectives(fn, *args) -> tuple[Any, dict[str, int]]:
 def train(model: nn.Module, steps: list, lr: float) -> tuple[list[float], torch.Tensor, dict[str, dict[str, int]]]:
     """AdamW on ``steps`` (x, y) batches: the losses, the first batch's logits, and the first step's
     collectives, forward and backward apart."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    # foreach=False: the split layers' parameters are DTensors and the rest plain tensors, and the
+    # multi-tensor kernels AdamW picks by default on CUDA refuse such a mix ("got mixed torch.Tensor and
+    # DTensor"). One tensor at a time is what AdamW does on the CPU anyway; the one-process model runs it too.
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, foreach=False)
     losses, counts, first = [], {}, None
     for x, y in steps:
         if first is None:
