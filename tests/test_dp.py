@@ -225,6 +225,17 @@ def test_gpu_memory_lab_writes_its_file(tmp_path):
     assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 2
 
 
+def test_a_cpu_run_reports_no_gpu_even_with_cuda_initialized(monkeypatch):
+    # On a GPU machine a --device=cpu run had CUDA initialized all the same and reported GPU 0 with
+    # 0 bytes (seen on an H100): which GPUs a run used follows from its device, not from CUDA's state.
+    from ddp_course.course.l03_data_parallel.train_gpu_memory import gpus_used
+
+    for name, value in (("is_available", True), ("is_initialized", True), ("device_count", 2), ("current_device", 1)):
+        monkeypatch.setattr(torch.cuda, name, lambda v=value: v)
+    assert gpus_used("single", "cpu") == [] and gpus_used("dp", "cpu") == []
+    assert gpus_used("single", "cuda:1") == [1] and gpus_used("dp", "cuda:0") == [0, 1]
+
+
 # --------------------------------------------------------------------------------------------------
 # with two or more GPUs
 

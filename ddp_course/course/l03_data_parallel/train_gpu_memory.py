@@ -31,13 +31,15 @@ from ddp_course.dist import DeviceError
 from ddp_course.metrics import write_json
 
 
-def gpus_used(strategy: str) -> list[int]:
+def gpus_used(strategy: str, device: str) -> list[int]:
     """The GPUs a process of this strategy allocated on: all of them under DP, its own otherwise.
 
-    Its own is the current device, which ``ddp_course.dist.setup`` set (LOCAL_RANK under NCCL; a
-    shared GPU under the tests' gloo option). None when the run never touched CUDA (it ran on the CPU).
+    ``device`` is where the run trained (its summary's ``device``, e.g. "cuda:0" or "cpu"). Its own GPU
+    is the current device, which ``ddp_course.dist.setup`` set (LOCAL_RANK under NCCL; a shared GPU
+    under the tests' gloo option). None for a run on the CPU: CUDA may be initialized in such a process
+    all the same (seen on a GPU machine), and its GPU then holds nothing of the run.
     """
-    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+    if not device.startswith("cuda") or not torch.cuda.is_available():
         return []
     return list(range(torch.cuda.device_count())) if strategy == "dp" else [torch.cuda.current_device()]
 
@@ -47,7 +49,7 @@ def main(argv: list[str]) -> dict:
     summary = train.main(cfg)
     rank, local_rank = int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
     per_gpu = {}
-    for i in gpus_used(cfg.strategy):
+    for i in gpus_used(cfg.strategy, str(summary.get("device", ""))):
         per_gpu[str(i)] = {"name": torch.cuda.get_device_name(i),
                            "peak_allocated_bytes": int(torch.cuda.max_memory_allocated(i)),
                            "peak_reserved_bytes": int(torch.cuda.max_memory_reserved(i))}
