@@ -37,6 +37,17 @@ class GradedRun(Verdict):
     records: list[dict] = dataclasses.field(default_factory=list, repr=False)
 
 
+def graded_records(verdict: Verdict, what: str) -> list[dict]:
+    """The records of a graded run (a ``GradedRun``'s), for a notebook cell that shows them; a
+    ``ValueError`` that says what to do when there are none. ``what`` names the missing run, e.g.
+    "timed run of your loader"."""
+    records = getattr(verdict, "records", None)
+    if not records:
+        raise ValueError(f"there is no {what} yet: the grading verdict is \"{verdict}\". "
+                         "Complete the exercise, re-run the grading cell, then this one.")
+    return records
+
+
 NOT_COMPLETE = "exercise not complete"
 STUB = "exercise: complete this part"  # the message of the stub every TODO of lessons/ raises
 

@@ -163,9 +163,9 @@ def read_trace(path: str | Path, step_name: str = "step") -> dict[str, Any]:
     only *queue* kernels (and run on the autograd engine's thread for the GPU, not the main thread),
     so ``compute`` is the GPU kernels that backward's functions launched (matched to their launch
     by the trace's ``correlation`` id), with their times on the GPU, and ``comm`` is NCCL's kernels
-    (gloo's CPU spans when no NCCL kernel is in the trace, without their GPU-timeline mirrors). Each GPU span also carries
-    ``launched``: when the CPU queued it, which is what places it in a step (a step's kernels may
-    still run after its CPU range has ended).
+    (gloo's CPU spans when no NCCL kernel is in the trace, without their GPU-timeline mirrors). Each
+    GPU span also carries ``launched``: when the CPU queued it, which is what places it in a step (a
+    step's kernels may still run after its CPU range has ended).
     """
     events = json.loads(Path(path).read_text(encoding="utf-8"))["traceEvents"]
     spans = [e for e in events if e.get("ph") == "X" and "dur" in e]

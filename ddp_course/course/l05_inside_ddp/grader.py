@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ddp_course.check import GradedRun, Verdict, run_exercise
+from ddp_course.check import GradedRun, Verdict, graded_records, run_exercise
 
 EXERCISE = "05_my_ddp.py"
 NPROC = 2
@@ -229,10 +229,7 @@ def comparison(verdict: Verdict | list[dict]) -> dict[str, dict]:
     """The learner's DDP beside torch's, from one graded run (its verdict, or its records): all-reduces
     and payload bytes per step (counted at the c10d operators), and the milliseconds per training step
     of every timing round (each the slowest rank's, so rank 0's record holds them)."""
-    records = verdict if isinstance(verdict, list) else getattr(verdict, "records", None)
-    if not records:
-        raise ValueError(f"there is no run of your DDP to compare yet: the grading verdict is \"{verdict}\". "
-                         "Complete the exercise, re-run the grading cell, then this one.")
+    records = verdict if isinstance(verdict, list) and verdict else graded_records(verdict, "run of your DDP to compare")
     r = min(records, key=lambda x: x["rank"])
     return {name: {"all_reduces_per_step": r["traffic"][name]["ops"].get("allreduce", 0),
                    "payload_bytes_per_step": r["traffic"][name]["payload_bytes"],

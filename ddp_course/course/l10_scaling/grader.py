@@ -28,7 +28,7 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
-from ddp_course.check import GradedRun, Verdict, last_lines, run_exercise
+from ddp_course.check import GradedRun, Verdict, graded_records, last_lines, run_exercise
 
 NPROC = 2
 EXERCISE = "10_dataloader.py"
@@ -258,10 +258,7 @@ def diagnose(found: list[dict]) -> Verdict:
 def summary(verdict: Verdict) -> dict:
     """What a notebook shows of a graded run (its verdict from ``grade``): the timings per rank, the
     target and the verdict."""
-    found = getattr(verdict, "records", None)
-    if not found:
-        raise ValueError(f"there is no timed run of your loader yet: the grading verdict is \"{verdict}\". "
-                         "Complete the exercise, re-run the grading cell, then this one.")
+    found = graded_records(verdict, "timed run of your loader")
     return {"target": SPEEDUP_TARGET, "ranks": timings(found), "config": found[0]["config"],
             "loader": found[0]["loader"], "ok": verdict.ok, "message": verdict.message}
 
