@@ -18,18 +18,21 @@ from harness import TINY, torchrun
 
 from ddp_course import bench
 
-EXIT_LINE = re.compile(r"^\[exit\] rank (\d+): gloo threads left: (\d+)$", re.M)
+EXIT_LINE = re.compile(r"^\[exit\] rank (\d+): gloo threads left: (\d+), objects frozen: (\d+)$", re.M)
 TRAIN_ARGS = ["--strategy=ddp", "--max_steps=3", *(f"--{k}={v}" for k, v in TINY.items())]
 
 
 def _threads_left(output: str) -> dict[int, int]:
-    return {int(r): int(n) for r, n in EXIT_LINE.findall(output)}
+    return {int(r): int(n) for r, n, _ in EXIT_LINE.findall(output)}
 
 
 def test_ddp_job_ends_with_no_gloo_thread_left(tmp_path):
     proc = torchrun("ddp_course.train", 2, [*TRAIN_ARGS, f"--out_dir={tmp_path}"], timeout=120,
                     env={"DDP_COURSE_EXIT_REPORT": "1"})
     assert _threads_left(proc.stdout) == {0: 0, 1: 0}, proc.stdout[-2000:]
+    # ... and then the quick exit: what is still alive is frozen, out of the final collections' way
+    frozen = {int(r): int(f) for r, _, f in EXIT_LINE.findall(proc.stdout)}
+    assert all(f > 100_000 for f in frozen.values()), frozen
 
 
 def test_without_the_guard_the_workers_outlive_the_interpreter(tmp_path):
