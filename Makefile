@@ -15,6 +15,11 @@ PY          := $(VENV)/bin/python
 STAMP       := $(VENV)/.ddp_course-installed
 LAB_STAMP   := $(VENV)/.ddp_course-lab-installed
 PYTEST_ARGS ?=
+# 1: a torch already importable by $(PYTHON) is used (the venv sees the system's site-packages);
+# 0: the venv is isolated and gets $(TORCH_SPEC) (what `make test-torch` does)
+SYSTEM_TORCH ?= 1
+# `make test-torch`'s venv for TORCH_SPEC, e.g. .venv-torch/torch__2.8.0 for "torch==2.8.0"
+TORCH_VENV  := .venv-torch/$(shell printf '%s' '$(TORCH_SPEC)' | tr -c 'A-Za-z0-9.' '_')
 # JupyterLab refuses to run as root unless told to (containers often run as root)
 ROOT_FLAG   := $(if $(filter 0,$(shell id -u)),--allow-root)
 # Whether a Python can import torch, and which version it has, without importing it (seconds each)
@@ -28,14 +33,14 @@ ifeq ($(origin DDP_COURSE_DATA),undefined)
   endif
 endif
 
-.PHONY: lab test setup clean lessons check-lessons bench-overhead
+.PHONY: lab test test-torch setup clean lessons check-lessons bench-overhead
 
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml
 	@set -e; \
 	if [ ! -x "$(PY)" ]; then \
-	  if $(PYTHON) $(HAS_TORCH) >/dev/null 2>&1; then \
+	  if [ "$(SYSTEM_TORCH)" != 0 ] && $(PYTHON) $(HAS_TORCH) >/dev/null 2>&1; then \
 	    echo "[setup] using the torch already installed for $(PYTHON): $$($(PYTHON) $(TORCH_VER) 2>/dev/null)"; \
 	    $(PYTHON) -m venv --system-site-packages $(VENV); \
 	  else \
@@ -73,6 +78,12 @@ test: setup
 	DDP_COURSE_NOTEBOOK_RUNS=$(CURDIR)/build/learner \
 	$(PY) -m pytest build/learner tests --nbval-lax --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg \
 	  --nbval-cell-timeout=600 -p no:cacheprovider $(PYTEST_ARGS)
+
+# The whole suite on another PyTorch, e.g. `make test-torch TORCH_SPEC="torch==2.8.0"`: a venv of its
+# own (.venv-torch/..., kept for the next run), isolated from any torch the system has. README.md's
+# "What has been run on what" lists the versions tried and their results.
+test-torch:
+	$(MAKE) test VENV=$(TORCH_VENV) SYSTEM_TORCH=0 TORCH_SPEC="$(TORCH_SPEC)"
 
 lessons: setup
 	$(PY) tools/make_lessons.py

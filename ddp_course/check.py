@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 
@@ -46,6 +46,50 @@ def graded_records(verdict: Verdict, what: str) -> list[dict]:
         raise ValueError(f"there is no {what} yet: the grading verdict is \"{verdict}\". "
                          "Complete the exercise, re-run the grading cell, then this one.")
     return records
+
+
+# A grader names a mistake when what the job measured is this many times nearer to the grader's own
+# simulation of that mistake than to any other explanation it has (the right answer included), not
+# when it falls within a fixed tolerance of it. The closest pair of explanations in the course is
+# 1.0e-4 apart (relative: exercise 11's forward mistakes); rounding between ranks and one process
+# stays below 1e-6 (8e-7 measured), a margin of 100x or more. A number that lies between two
+# explanations is never forced into one of them.
+MARGIN = 20.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Nearest:
+    """The explanation that some measured numbers are nearest to, and the runner-up.
+
+    Distances are the largest relative difference over the numbers compared.
+    """
+
+    name: str
+    distance: float
+    runner_up: str
+    runner_up_distance: float
+
+    def clear(self, margin: float = MARGIN) -> bool:
+        """True if ``name`` is at least ``margin`` times nearer than any other explanation."""
+        return self.distance < float("inf") and self.distance * margin <= self.runner_up_distance
+
+    def shown(self, labels: dict[str, str] | None = None) -> str:
+        """The margin in words, for a verdict: how far from this explanation, and from the next one."""
+        label = (labels or {}).get(self.runner_up, self.runner_up)
+        return (f"the measured numbers are {self.distance:.1e} (relative) from the grader's simulation of this "
+                f"mistake, {self.runner_up_distance:.1e} from the next nearest explanation ({label})")
+
+
+def nearest(measured: Sequence[float | None], candidates: dict[str, Sequence[float]]) -> Nearest:
+    """Which of ``candidates`` (name -> the numbers that explanation predicts, in the order of
+    ``measured``) is nearest to ``measured``. A missing measurement (None) is infinitely far."""
+    def distance(predicted: Sequence[float]) -> float:
+        if len(predicted) != len(measured) or any(m is None for m in measured):
+            return float("inf")
+        return max((abs(m - p) / max(abs(p), 1e-30) for m, p in zip(measured, predicted)), default=0.0)
+
+    (d1, first), (d2, second) = sorted((distance(v), k) for k, v in candidates.items())[:2]
+    return Nearest(first, d1, second, d2)
 
 
 NOT_COMPLETE = "exercise not complete"

@@ -15,6 +15,7 @@ import gc
 import os
 import random
 import sys
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -331,6 +332,23 @@ def seed_everything(seed: int) -> None:
     """Seed Python and torch (CPU and every CUDA device) with the same value."""
     random.seed(seed)
     torch.manual_seed(seed)
+
+
+# Held while a block draws from torch's global RNG under ``seeded``. That RNG is one per process, not
+# one per thread: two threads that seed it and then draw (two graders' in-process references, graded
+# two jobs at a time) interleave their draws, and each builds a model no other process would.
+_GLOBAL_RNG = threading.RLock()
+
+
+@contextmanager
+def seeded(seed: int) -> Iterator[None]:
+    """Run the block with torch's global RNG seeded with ``seed`` (``torch.manual_seed``) while no
+    other thread in ``seeded`` draws from it: what the block draws (a model's initial weights, say)
+    then depends on ``seed`` alone, as in a process of its own. The RNG is left as the block leaves it.
+    """
+    with _GLOBAL_RNG:
+        torch.manual_seed(seed)
+        yield
 
 
 def all_reduce_mean(value: torch.Tensor | float, info: DistInfo) -> float:

@@ -131,3 +131,55 @@ def test_shards_of_the_wrong_block_are_named():
     rows = rows_from_reference()
     rows[1]["shards_match"] = {"blocks.0.mlp.fc.weight": False}
     assert "not the rank's block" in grader.diagnose(rows, constants()).message
+
+
+def mistaken_rows(kind: str, rel: float = 0.0) -> list[dict]:
+    """The reference rows with each rank's first loss that of the forward mistake ``kind`` (as the
+    grader simulates it), moved by ``rel`` (relative): what a job with that mistake reports."""
+    rows = rows_from_reference()
+    losses = grader.mistaken_losses(constants())[kind]
+    for r in range(grader.NPROC):
+        rows[r]["loss"] = losses[r if len(losses) == grader.NPROC else 0] * (1 + rel)
+    return rows
+
+
+@pytest.mark.parametrize("kind", list(grader.WHAT_TO_DO))
+def test_forward_mistake_named_by_the_nearest_simulation_with_its_margin(kind):
+    # 3e-6 is 4x the largest rounding difference measured between 2 ranks and one process (8e-7)
+    message = grader.diagnose(mistaken_rows(kind, rel=3e-6), constants()).message
+    assert message.startswith(grader.WHAT_TO_DO[kind].format(n=grader.NPROC)[:40])
+    assert "from the grader's simulation of this mistake" in message and "next nearest explanation" in message
+
+
+def test_forward_between_two_explanations_is_not_forced_into_one():
+    c = constants()
+    sims = grader.mistaken_losses(c)
+    rows = rows_from_reference()
+    for r in range(grader.NPROC):  # halfway between proj's bias on every rank and an all-reduce in f's forward
+        rows[r]["loss"] = (sims["bias"][0] + sims["f_forward"][0]) / 2
+    assert grader.diagnose(rows, c).message.startswith("the forward differs from one process")
+
+
+def test_diagnosis_holds_while_another_thread_grades():
+    """The cause of wrong names seen on a slower CPU: the tests grade two attempts at a time, in threads,
+    and each grader builds its one-process model from torch's global RNG, which threads share. Two
+    threads seeding and drawing at once built models no rank had, so the simulations missed the ranks'
+    losses. Here both threads diagnose at the same moment, eight times over, with nothing cached."""
+    import threading
+
+    rows, c = mistaken_rows("partial"), constants()
+    for _ in range(8):
+        grader._reference.cache_clear()
+        start, verdicts = threading.Barrier(2), []
+
+        def diagnose():
+            start.wait()
+            verdicts.append(grader.diagnose(rows, c))
+
+        threads = [threading.Thread(target=diagnose) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for v in verdicts:
+            assert "no all-reduce after the row-parallel proj" in v.message, v.message

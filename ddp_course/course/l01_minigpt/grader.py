@@ -21,12 +21,13 @@ def reference_mean() -> float:
     """The mean loss over all the exercise's validation windows, computed here in one process with the
     exercise's model (same seed, same shape): the grader's own answer, not the script's."""
     from ddp_course.data import prepare
+    from ddp_course.dist import seeded
     from ddp_course.model import GPTConfig, MiniGPT
 
     data = prepare("tinyshakespeare", block_size=32, val_fraction=0.1, announce=lambda *a, **k: None)
-    torch.manual_seed(0)
-    model = MiniGPT(GPTConfig(vocab_size=data.tokenizer.vocab_size, block_size=32, n_layer=1, n_head=2,
-                              n_embd=32)).eval()
+    with seeded(0):  # the script's weights, whatever another thread draws meanwhile
+        model = MiniGPT(GPTConfig(vocab_size=data.tokenizer.vocab_size, block_size=32, n_layer=1, n_head=2,
+                                  n_embd=32)).eval()
     x, y = (torch.stack([data.val[i][j] for i in range(N_WINDOWS)]) for j in (0, 1))
     with torch.no_grad():
         per_token = F.cross_entropy(model(x).transpose(1, 2), y, reduction="none")

@@ -40,7 +40,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from ddp_course import parallel
 from ddp_course.cli import FlagError, command, parse_flags
 from ddp_course.course.options import require_device
-from ddp_course.dist import log, setup
+from ddp_course.dist import log, seeded, setup
 from ddp_course.metrics import write_json
 from ddp_course.model import GPTConfig, MiniGPT
 from ddp_course.paths import show
@@ -100,10 +100,11 @@ VARIANTS: dict[str, str] = {
 
 def tiny_model(seed: int = 0, *, block_size: int = 32, n_layer: int = 2, n_head: int = 2,
                n_embd: int = 64) -> MiniGPT:
-    """A small MiniGPT, seeded: every process that calls this gets the same initial weights."""
-    torch.manual_seed(seed)
-    return MiniGPT(GPTConfig(vocab_size=VOCAB, block_size=block_size, n_layer=n_layer, n_head=n_head,
-                             n_embd=n_embd))
+    """A small MiniGPT, seeded: every process, and every thread, that calls this gets the same initial
+    weights (``seeded``: threads grading side by side each get the seed's weights)."""
+    with seeded(seed):
+        return MiniGPT(GPTConfig(vocab_size=VOCAB, block_size=block_size, n_layer=n_layer, n_head=n_head,
+                                 n_embd=n_embd))
 
 
 def micro_batch(index: int, rank: int, *, micro_batch_size: int, block_size: int,

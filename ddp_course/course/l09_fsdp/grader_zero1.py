@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ddp_course.check import GradedRun, Verdict, run_exercise
+from ddp_course.check import GradedRun, Nearest, Verdict, nearest, run_exercise
 from ddp_course.course.l09_fsdp.grader import NORM_RTOL, harness_constants, reference_norms
 
 EXERCISE = "09_zero1.py"
@@ -108,25 +108,42 @@ def _near(got: dict[str, float], ref: dict[str, float], factor: float = 1.0) -> 
     return all(abs(g - factor * ref[n]) <= GRAD_RTOL * factor * ref[n] for n, g in got.items())
 
 
+GRADIENT_EXPLANATIONS = {"averaged": "the averaged gradient", "summed": "the sum over the ranks, not averaged",
+                         "own": "the rank's own batch alone", "own_divided": "the rank's own gradient divided"}
+
+
+def gradient_explanation(got: dict[str, float], reference: dict, rank: int) -> Nearest:
+    """Which gradient the norms ``got`` (of what rank ``rank``'s optimizer stepped with) are nearest to:
+    the averaged one, or one of the classic mistakes, each computed by the grader in this process."""
+    names = list(got)
+    predicted = {"averaged": (reference["global"], 1.0), "summed": (reference["global"], NPROC),
+                 "own": (reference[rank], 1.0), "own_divided": (reference[rank], 1 / NPROC)}
+    return nearest([got[n] for n in names],
+                   {k: [factor * ref[n] for n in names] for k, (ref, factor) in predicted.items()})
+
+
 def _grad_problem(ranks: dict[int, dict], reference: dict) -> str | None:
     want = reference["global"]
     for rank, row in sorted(ranks.items()):
         got = row["grad_norms"]
         if not got or _near(got, want):
             continue
-        if _near(got, want, NPROC):
+        found = gradient_explanation(got, reference, rank)
+        margin = f" ({found.shown(GRADIENT_EXPLANATIONS)}.)" if found.clear() else ""
+        if found.clear() and found.name == "summed":
             return (f"the gradients rank {rank}'s optimizer stepped with are {NPROC:.2f} times the averaged gradient: "
                     f"summed over the ranks but not averaged. In average_gradients, divide the sum by the number of "
                     "ranks. (AdamW nearly hides this, as its update divides by the gradient's size; plain SGD, "
-                    "gradient clipping or a changed world size would not.)")
-        if _near(got, reference[rank]):
+                    "gradient clipping or a changed world size would not.)" + margin)
+        if found.clear() and found.name == "own":
             return (f"rank {rank}'s optimizer stepped with the gradient of its own batch alone: the gradients were "
                     "never combined across ranks, so each owner trains on half the data. In average_gradients, sum "
                     "each gradient over the ranks (dist.reduce to its owner, or dist.all_reduce), then divide by the "
-                    "number of ranks.")
-        if _near(got, reference[rank], 1 / NPROC):
+                    "number of ranks." + margin)
+        if found.clear() and found.name == "own_divided":
             return (f"rank {rank}'s optimizer stepped with its own gradient divided by {NPROC}: the division of the "
-                    "average happened, the sum over the ranks did not. Reduce (sum) each gradient before dividing.")
+                    "average happened, the sum over the ranks did not. Reduce (sum) each gradient before dividing."
+                    + margin)
         worst = max(got, key=lambda n: abs(got[n] - want[n]) / want[n])
         return (f"the gradient rank {rank}'s optimizer stepped with differs from the gradient averaged over both "
                 f"ranks' batches (e.g. {worst}: norm {got[worst]:.4g}, expected {want[worst]:.4g}). average_gradients "

@@ -8,9 +8,10 @@ process, on one unsplit model built from the same seed (``tp_lab.biased_model``)
 batches, and compares. When they differ, it names the mistake by what it measured:
 
 - a shard of the wrong shape: the weight sliced along the wrong dimension (rows vs columns);
-- the loss of each rank equals, in this process, the loss of a model whose MLP gives only that
-  rank's partial output (no all-reduce in g), or adds proj's bias N times (added before the sum), or
-  runs fc on N times its input (an all-reduce in f's forward);
+- the ranks' losses are nearest (``check.nearest``, by a clear margin) to those of a model, simulated
+  in this process, whose MLP gives only that rank's partial output (no all-reduce in g), or adds
+  proj's bias N times (added before the sum), or runs fc on N times its input (an all-reduce in f's
+  forward); losses between two explanations name none;
 - the forward right, the last MLP's own gradients right, but those of what comes before it wrong:
   no all-reduce of the input's gradient in f's backward;
 - the MLP's gradients N times too large: an all-reduce in g's backward.
@@ -22,7 +23,7 @@ import functools
 import json
 from pathlib import Path
 
-from ddp_course.check import Verdict, run_exercise
+from ddp_course.check import Nearest, Verdict, nearest, run_exercise
 
 EXERCISE = "11_tensor_parallel.py"
 NPROC = 2
@@ -32,7 +33,9 @@ NPROC = 2
 # off by 3e-4 (no all-reduce in g), 5e-4 (proj's bias on every rank), 6e-4 (an all-reduce in f's
 # forward), or, where the forward is right, a gradient norm off by 0.37 (no all-reduce in f's
 # backward) or 1.0 (an all-reduce in g's backward). 1e-5 sits between: 12x above the solution's
-# worst, 30x below the smallest mistake.
+# worst, 30x below the smallest mistake. Which forward mistake it is goes by the nearest simulation
+# (``forward_explanation``): the simulations are 1.0e-4 to 2.9e-4 apart, and each mistake's job
+# reported first losses equal to its simulation in all 6 decimals a verdict shows.
 RTOL = 1e-5
 MLP = (".mlp.fc.weight", ".mlp.fc.bias", ".mlp.proj.weight", ".mlp.proj.bias")
 WHAT_TO_DO = {
@@ -136,6 +139,19 @@ def mistaken_losses(constants: dict) -> dict[str, list[float]]:
     return out
 
 
+EXPLANATIONS = {"right": "the one-process reference", "partial": "no all-reduce in g's forward",
+                "bias": "proj's bias added on every rank", "f_forward": "an all-reduce in f's forward"}
+
+
+def forward_explanation(losses: list[float | None], constants: dict) -> Nearest:
+    """Which explanation of the ranks' first losses is nearest: the right forward (the grader's
+    one-process loss on every rank) or one of the forward mistakes, simulated in this process."""
+    candidates = {"right": [reference(constants)["loss"]] * NPROC}
+    for kind, per_rank in mistaken_losses(constants).items():
+        candidates[kind] = per_rank if len(per_rank) == NPROC else per_rank * NPROC
+    return nearest(losses, candidates)
+
+
 def _close(a: float | None, b: float) -> bool:
     return a is not None and abs(a - b) <= RTOL * abs(b)
 
@@ -206,11 +222,10 @@ def diagnose(found: list[dict], constants: dict) -> Verdict:
                                   "proj.weight, and proj.bias whole.")
     ref = reference(constants)
     if not all(_close(r["loss"], ref["loss"]) for r in ranks.values()):
-        sims = mistaken_losses(constants)
-        for kind, losses in sims.items():
-            per_rank = losses if len(losses) == NPROC else losses * NPROC
-            if all(_close(ranks[rank]["loss"], per_rank[rank]) for rank in ranks):
-                return Verdict(False, WHAT_TO_DO[kind].format(n=NPROC) + _losses_shown(ranks, ref))
+        found = forward_explanation([ranks[rank]["loss"] for rank in range(NPROC)], constants)
+        if found.name in WHAT_TO_DO and found.clear():
+            return Verdict(False, WHAT_TO_DO[found.name].format(n=NPROC) + _losses_shown(ranks, ref)[:-2]
+                           + f"; {found.shown(EXPLANATIONS)}.)")
         return Verdict(False, "the forward differs from one process: " + _losses_shown(ranks, ref).strip()
                        + " Check TensorParallelMLP.forward: f, fc and GELU on this rank's hidden units, proj's "
                          "weight alone, g (an all-reduce), then proj's bias once.")
