@@ -161,6 +161,22 @@ def exercise_attempt(tmp_path: Path, name: str, function: str, body: str) -> Pat
     return path
 
 
+def at_once(fn: Callable[[], object], n: int) -> list[object]:
+    """``fn()`` called by ``n`` threads released at the same moment; their results (an exception in
+    one is raised here). For what must not depend on another thread working beside it."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    start = threading.Barrier(n)
+
+    def call() -> object:
+        start.wait()
+        return fn()
+
+    with ThreadPoolExecutor(max_workers=n) as pool:
+        return [f.result() for f in [pool.submit(call) for _ in range(n)]]
+
+
 def grade_in_pairs(grade: Callable[[Path], object], attempts: dict[str, Path], alone: int = 0) -> dict[str, object]:
     """``{name: grade(path)}`` for every attempt, two jobs at a time after the first ``alone`` ones.
 

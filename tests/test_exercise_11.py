@@ -15,7 +15,7 @@ from pathlib import Path
 
 import notebook_runs
 import pytest
-from harness import answered_exercise, exercise_attempt, grade_in_pairs
+from harness import answered_exercise, at_once, exercise_attempt, grade_in_pairs
 
 from ddp_course import check
 from ddp_course.course.l11_beyond_data_parallel import grader
@@ -165,21 +165,8 @@ def test_diagnosis_holds_while_another_thread_grades():
     and each grader builds its one-process model from torch's global RNG, which threads share. Two
     threads seeding and drawing at once built models no rank had, so the simulations missed the ranks'
     losses. Here both threads diagnose at the same moment, eight times over, with nothing cached."""
-    import threading
-
     rows, c = mistaken_rows("partial"), constants()
     for _ in range(8):
         grader._reference.cache_clear()
-        start, verdicts = threading.Barrier(2), []
-
-        def diagnose():
-            start.wait()
-            verdicts.append(grader.diagnose(rows, c))
-
-        threads = [threading.Thread(target=diagnose) for _ in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        for v in verdicts:
+        for v in at_once(lambda: grader.diagnose(rows, c), 2):
             assert "no all-reduce after the row-parallel proj" in v.message, v.message

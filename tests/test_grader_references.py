@@ -9,9 +9,8 @@ the job measured, with a margin (``check.nearest``), not by one tolerance tuned 
 
 from __future__ import annotations
 
-import threading
-
 import torch
+from harness import at_once
 
 from ddp_course import check
 from ddp_course.course.l06_grad_accumulation.no_sync_lab import tiny_model
@@ -23,18 +22,7 @@ def test_seeded_models_are_the_same_in_threads_as_alone():
     global RNG at once interleave their draws."""
     want = tiny_model(3).state_dict()
     for _ in range(10):
-        start, built = threading.Barrier(4), []
-
-        def build():
-            start.wait()
-            built.append(tiny_model(3).state_dict())
-
-        threads = [threading.Thread(target=build) for _ in range(4)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        for got in built:
+        for got in at_once(lambda: tiny_model(3).state_dict(), 4):
             assert all(torch.equal(got[k], want[k]) for k in want)
 
 
