@@ -14,9 +14,11 @@ from __future__ import annotations
 import re
 
 import pytest
+import torch
 from harness import TINY, torchrun
 
 from ddp_course import bench
+from ddp_course.dist import exit_guard_needed
 
 EXIT_LINE = re.compile(r"^\[exit\] rank (\d+): gloo threads left: (\d+), objects frozen: (\d+)$", re.M)
 TRAIN_ARGS = ["--strategy=ddp", "--max_steps=3", *(f"--{k}={v}" for k, v in TINY.items())]
@@ -36,14 +38,27 @@ def test_ddp_job_ends_with_no_gloo_thread_left(tmp_path):
 
 
 def test_without_the_guard_the_workers_outlive_the_interpreter(tmp_path):
-    """The reason the guard exists, still true of this PyTorch: remove the guard and this is what is left."""
+    """The reason the guard exists, still true of this PyTorch: remove the guard and this is what is
+    left. Before ``dist.EXIT_GUARD_NEEDED_FROM`` PyTorch joined the workers by itself, and this test
+    says so instead: the two outcomes tell the versions apart, and a release that changes which one
+    it gives fails here."""
     proc = torchrun("ddp_course.train", 2, [*TRAIN_ARGS, f"--out_dir={tmp_path}"], timeout=120,
                     env={"DDP_COURSE_EXIT_REPORT": "1", "DDP_COURSE_NO_EXIT_GUARD": "1"})
     left = _threads_left(proc.stdout)
     assert set(left) == {0, 1}, proc.stdout[-2000:]
-    assert all(n > 0 for n in left.values()), (
-        f"gloo threads left without the guard: {left}. If PyTorch now releases the group by itself, the "
-        "workaround in ddp_course/dist.py (clean_exit) may no longer be needed: check the upstream issue.")
+    if exit_guard_needed():
+        assert all(n > 0 for n in left.values()), (
+            f"gloo threads left without the guard: {left}. If PyTorch {torch.__version__} now releases the group "
+            "by itself, the workaround in ddp_course/dist.py (clean_exit) may no longer be needed: check the "
+            "upstream issue, and move EXIT_GUARD_NEEDED_FROM.")
+    else:
+        assert all(n == 0 for n in left.values()), (
+            f"gloo threads left without the guard on PyTorch {torch.__version__}: {left}. The guard is needed on "
+            "this version too: move EXIT_GUARD_NEEDED_FROM in ddp_course/dist.py back to it.")
+
+
+def test_exit_guard_versions():
+    assert not exit_guard_needed("2.10.0+cu128") and exit_guard_needed("2.11.0") and exit_guard_needed("2.13.0+cpu")
 
 
 @pytest.mark.parametrize("argv, message", [
