@@ -1,6 +1,7 @@
 # The course's two commands (see README.md):
 #   make lab    set up .venv if needed, then open the course in JupyterLab (prints the URL)
 #   make test   set up .venv if needed, then run the whole test suite (what CI runs)
+#   make test-torch TORCH_SPEC="torch==2.10.0"   the whole suite on another PyTorch, in .venv-torch/
 #
 # Set-up keeps a torch that is already importable by $(PYTHON) (the venv then sees the system's
 # site-packages); otherwise it installs $(TORCH_SPEC). See README.md for GPU and CPU-only wheels.
