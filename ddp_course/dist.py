@@ -230,6 +230,11 @@ def setup(device: str = "auto", timeout_s: float = 120.0, threads: int = 0, beca
 # by reference counting as the modules are cleared, the collection just before the freeze has
 # already finalized the garbage, and the course closes its files with ``with``.
 #
+# The quick exit is skipped where an extension built with nanobind is loaded (triton 3.9 and later,
+# with PyTorch 2.15's CUDA wheels): nanobind reports every object of its own that the interpreter did
+# not free as a leak, about 30 lines per process, and frozen objects are never freed
+# (``quick_exit_is_quiet``).
+#
 # Which PyTorch needs it: without the guard, a finished 2-rank DDP job's gloo workers were still
 # alive at exit on 2.11, 2.12, 2.13 and 2.14 (tests/test_clean_exit.py); on 2.10 the same job had
 # joined them by itself. The guard is harmless there, so it runs on every version; the test that
@@ -272,10 +277,23 @@ def _at_exit() -> None:
         # keeps a C++ reference we could not release (no Python referrer; PyTorch 2.13). Give a
         # worker that is still dropping a finished work the GIL before finalization starts.
         time.sleep(_DRAIN_S)
-    gc.freeze()  # after the collection above: the frozen objects are the live ones, none of them garbage
+    if quick_exit_is_quiet():
+        gc.freeze()  # after the collection above: the frozen objects are the live ones, none of them garbage
     if os.environ.get("DDP_COURSE_EXIT_REPORT") == "1":
         _write_line(f"[exit] rank {os.environ.get('RANK', '0')}: gloo threads left: {left}, "
                     f"objects frozen: {gc.get_freeze_count()}")
+
+
+def quick_exit_is_quiet() -> bool:
+    """Whether freezing at exit prints nothing (see the comment above ``EXIT_GUARD_NEEDED_FROM``).
+
+    A frozen object is never collected, so one in a reference cycle outlives the interpreter, and
+    extensions built with nanobind report each such object of theirs as a leak when the interpreter
+    ends. Triton is one from 3.9 on (PyTorch 2.15's CUDA wheels bring it, and torch._dynamo imports
+    it): every rank of a finished job printed about 30 lines of "nanobind: leaked ...". Where triton
+    is loaded the exit is left to the interpreter: slower, and silent.
+    """
+    return "triton" not in sys.modules
 
 
 def _install_exit_hook() -> None:
