@@ -46,8 +46,8 @@ def bf16_hook(process_group: dist.ProcessGroup | None, bucket: dist.GradBucket) 
     """All-reduce (SUM) the bucket as bfloat16, divided by the world size first; decompress in place.
 
     One collective: ``all_reduce`` of ``bucket.numel()`` bfloat16 values (2 bytes each instead of 4).
-    bfloat16 keeps float32's exponent range, so nothing overflows or underflows; it keeps 8 bits of
-    mantissa, so each value is rounded to ~0.4 % (2^-8 relative).
+    bfloat16 keeps float32's exponent range, so nothing overflows or underflows; it keeps 8 significant
+    bits (7 stored), so each value is rounded to ~0.4 % (2^-8 relative).
     """
     group = _group(process_group)
     buffer = bucket.buffer()
