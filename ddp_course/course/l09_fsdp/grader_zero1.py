@@ -103,9 +103,9 @@ def _partition_problem(ranks: dict[int, dict], names: list[str]) -> str | None:
     return None
 
 
-def _near(got: dict[str, float], ref: dict[str, float], factor: float = 1.0) -> bool:
-    """Every gradient norm in ``got`` is ``factor`` times the reference's, within GRAD_RTOL."""
-    return all(abs(g - factor * ref[n]) <= GRAD_RTOL * factor * ref[n] for n, g in got.items())
+def _near(got: dict[str, float], ref: dict[str, float]) -> bool:
+    """Every gradient norm in ``got`` is the reference's, within GRAD_RTOL."""
+    return all(abs(g - ref[n]) <= GRAD_RTOL * ref[n] for n, g in got.items())
 
 
 GRADIENT_EXPLANATIONS = {"averaged": "the averaged gradient", "summed": "the sum over the ranks, not averaged",
@@ -122,6 +122,23 @@ def gradient_explanation(got: dict[str, float], reference: dict, rank: int) -> N
                    {k: [factor * ref[n] for n in names] for k, (ref, factor) in predicted.items()})
 
 
+def _gradient_mistakes(rank: int) -> dict[str, str]:
+    """What each named gradient mistake of rank ``rank`` means, and what to do (by explanation)."""
+    return {
+        "summed": (f"the gradients rank {rank}'s optimizer stepped with are {NPROC:.2f} times the averaged gradient: "
+                   f"summed over the ranks but not averaged. In average_gradients, divide the sum by the number of "
+                   "ranks. (AdamW nearly hides this, as its update divides by the gradient's size; plain SGD, "
+                   "gradient clipping or a changed world size would not.)"),
+        "own": (f"rank {rank}'s optimizer stepped with the gradient of its own batch alone: the gradients were "
+                "never combined across ranks, so each owner trains on half the data. In average_gradients, sum "
+                "each gradient over the ranks (dist.reduce to its owner, or dist.all_reduce), then divide by the "
+                "number of ranks."),
+        "own_divided": (f"rank {rank}'s optimizer stepped with its own gradient divided by {NPROC}: the division of "
+                        "the average happened, the sum over the ranks did not. Reduce (sum) each gradient before "
+                        "dividing."),
+    }
+
+
 def _grad_problem(ranks: dict[int, dict], reference: dict) -> str | None:
     want = reference["global"]
     for rank, row in sorted(ranks.items()):
@@ -129,21 +146,9 @@ def _grad_problem(ranks: dict[int, dict], reference: dict) -> str | None:
         if not got or _near(got, want):
             continue
         found = gradient_explanation(got, reference, rank)
-        margin = f" ({found.shown(GRADIENT_EXPLANATIONS)}.)" if found.clear() else ""
-        if found.clear() and found.name == "summed":
-            return (f"the gradients rank {rank}'s optimizer stepped with are {NPROC:.2f} times the averaged gradient: "
-                    f"summed over the ranks but not averaged. In average_gradients, divide the sum by the number of "
-                    "ranks. (AdamW nearly hides this, as its update divides by the gradient's size; plain SGD, "
-                    "gradient clipping or a changed world size would not.)" + margin)
-        if found.clear() and found.name == "own":
-            return (f"rank {rank}'s optimizer stepped with the gradient of its own batch alone: the gradients were "
-                    "never combined across ranks, so each owner trains on half the data. In average_gradients, sum "
-                    "each gradient over the ranks (dist.reduce to its owner, or dist.all_reduce), then divide by the "
-                    "number of ranks." + margin)
-        if found.clear() and found.name == "own_divided":
-            return (f"rank {rank}'s optimizer stepped with its own gradient divided by {NPROC}: the division of the "
-                    "average happened, the sum over the ranks did not. Reduce (sum) each gradient before dividing."
-                    + margin)
+        mistakes = _gradient_mistakes(rank)
+        if found.clear() and found.name in mistakes:
+            return f"{mistakes[found.name]} ({found.shown(GRADIENT_EXPLANATIONS)}.)"
         worst = max(got, key=lambda n: abs(got[n] - want[n]) / want[n])
         return (f"the gradient rank {rank}'s optimizer stepped with differs from the gradient averaged over both "
                 f"ranks' batches (e.g. {worst}: norm {got[worst]:.4g}, expected {want[worst]:.4g}). average_gradients "

@@ -224,8 +224,8 @@ def diagnose(found: list[dict], constants: dict) -> Verdict:
     if not all(_close(r["loss"], ref["loss"]) for r in ranks.values()):
         found = forward_explanation([ranks[rank]["loss"] for rank in range(NPROC)], constants)
         if found.name in WHAT_TO_DO and found.clear():
-            return Verdict(False, WHAT_TO_DO[found.name].format(n=NPROC) + _losses_shown(ranks, ref)[:-2]
-                           + f"; {found.shown(EXPLANATIONS)}.)")
+            return Verdict(False, WHAT_TO_DO[found.name].format(n=NPROC)
+                           + _losses_shown(ranks, ref, found.shown(EXPLANATIONS)))
         return Verdict(False, "the forward differs from one process: " + _losses_shown(ranks, ref).strip()
                        + " Check TensorParallelMLP.forward: f, fc and GELU on this rank's hidden units, proj's "
                          "weight alone, g (an all-reduce), then proj's bias once.")
@@ -246,9 +246,9 @@ def diagnose(found: list[dict], constants: dict) -> Verdict:
                          f"{RTOL:.0e}).")
 
 
-def _losses_shown(ranks: dict[int, dict], ref: dict) -> str:
+def _losses_shown(ranks: dict[int, dict], ref: dict, then: str = "") -> str:
     shown = ", ".join(f"rank {rank} {r['loss']:.6f}" for rank, r in sorted(ranks.items()))
-    return f" (losses: {shown}; one process {ref['loss']:.6f}.)"
+    return f" (losses: {shown}; one process {ref['loss']:.6f}{'; ' + then if then else ''}.)"
 
 
 def collect(path: str | Path, timeout: float = 120) -> list[dict] | Verdict:

@@ -369,12 +369,10 @@ def library_schedule(stage: Stage, info, m: int):
 
     def step(x: torch.Tensor, y: torch.Tensor) -> float | None:
         losses: list[torch.Tensor] = []
-        # contiguous: a batch sliced from token rows has strides (T+1, 1), and PyTorch 2.8's stage checks
-        # its micro-batches' strides against those of a contiguous one (later versions do not)
         if stage.first:
-            schedule.step(x.contiguous())
+            schedule.step(x)
         elif stage.last:
-            schedule.step(target=y.contiguous(), losses=losses)
+            schedule.step(target=y, losses=losses)
         else:
             schedule.step()
         return sum(loss.item() for loss in losses) / m if stage.last else None
