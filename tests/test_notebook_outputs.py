@@ -76,3 +76,64 @@ def test_show_and_shorten(monkeypatch):
         os.chdir(cwd)
     text = f'File "{REPO}/ddp_course/train.py", line 3; corpus /somewhere/data/t.txt; {REPO}/.venv/lib/x.py'
     assert shorten(text) == 'File "ddp_course/train.py", line 3; corpus $DDP_COURSE_DATA/t.txt; .venv/lib/x.py'
+
+
+# --------------------------------------------------------------------------------------------------
+# Verdicts: a committed output never reads a disturbed measurement, and a code cell never writes a
+# winner or a mechanism by hand (noise.sentence / compare / ranking and the labs' verdict helpers do).
+
+VERDICT_WORDS = re.compile(r"\b(fastest|faster|slower|side by side|hides|hidden|exposed)\b", re.I)
+
+
+def disturbed_outputs(path: Path) -> list[str]:
+    from ddp_course.course.noise import DISTURBED
+
+    return [f"cell {i}: {line.strip()}" for i, cell in enumerate(json.loads(path.read_text(encoding="utf-8"))["cells"])
+            for text in output_texts(cell) for line in text.splitlines() if DISTURBED in line]
+
+
+def handwritten_verdicts(source: str) -> list[str]:
+    """String literals of a code cell that name a winner or a mechanism, outside assertions' messages
+    and keyword names (``higher_is_faster=True``)."""
+    import ast
+
+    tree = ast.parse(source)
+    # assertion messages, and a helper's verdict compared with a word (c["verdict"] == "faster")
+    in_assert = {id(n) for a in ast.walk(tree) if isinstance(a, (ast.Assert, ast.Compare)) for n in ast.walk(a)}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in in_assert:
+            if VERDICT_WORDS.search(node.value):
+                found.append(node.value.strip())
+    return found
+
+
+@pytest.mark.parametrize("name", [p.name for p in sorted((ROOT / "solutions").glob("*.ipynb"))])
+def test_no_committed_output_reads_a_disturbed_run(name):
+    found = disturbed_outputs(ROOT / "solutions" / name)
+    assert not found, (f"solutions/{name} was executed on a busy machine; re-execute it on a quiet one "
+                       "(uptime first):\n" + "\n".join(found))
+
+
+@pytest.mark.parametrize("name", [p.name for p in sorted((ROOT / "solutions").glob("*.ipynb"))])
+def test_verdicts_are_not_written_by_hand(name):
+    nb = json.loads((ROOT / "solutions" / name).read_text(encoding="utf-8"))
+    found = [f"cell {i}: {s!r}" for i, c in enumerate(nb["cells"]) if c["cell_type"] == "code"
+             for s in handwritten_verdicts("".join(c["source"]).replace("%matplotlib inline", ""))]
+    assert not found, (f"solutions/{name} prints a verdict from its own wording; let the course's noise helper "
+                       "(ddp_course.course.noise) or the lab's verdict function decide it from the numbers:\n"
+                       + "\n".join(found))
+
+
+def test_the_guards_catch_what_they_guard(tmp_path):
+    from ddp_course.course import noise
+
+    line = noise.sentence("two", [40.0, 41.0], "one", [4.0, 30.0], higher_is_faster=True, workers=2)
+    nb = {"cells": [{"cell_type": "code", "source": "", "outputs": [{"output_type": "stream", "text": line}]}]}
+    (tmp_path / "x.ipynb").write_text(json.dumps(nb))
+    assert disturbed_outputs(tmp_path / "x.ipynb")
+    assert handwritten_verdicts('print("the kernels ran side by side")')
+    assert handwritten_verdicts('v = "faster than" if r > 1.05 else "slower than"')
+    assert not handwritten_verdicts('noise.sentence("a", a, "b", b, higher_is_faster=True)')
+    assert not handwritten_verdicts('assert big > small, "moving 65536x more data cannot be faster"')
+    assert not handwritten_verdicts('stands = c["verdict"] == "faster" and saved > floor')

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
+from ddp_course.course import noise
 from ddp_course.parallel.dp import lm_loss
 
 Chunk = torch.Tensor
@@ -549,8 +550,8 @@ def _python_work(n: int) -> int:
     return s
 
 
-def gil_demo(n_threads: int = 2, python_iters: int = 300_000, matmul_size: int = 384, matmuls: int = 6,
-             repeats: int = 3) -> dict:
+def gil_demo(n_threads: int = 2, python_iters: int = 300_000, matmul_size: int = 768, matmuls: int = 6,
+             repeats: int = 5) -> dict:
     """Run the same work ``n_threads`` times one after another, then in ``n_threads`` threads at once,
     for pure Python (holds the GIL) and for torch matrix products (release it while they compute).
 
@@ -559,6 +560,9 @@ def gil_demo(n_threads: int = 2, python_iters: int = 300_000, matmul_size: int =
     were busy at once on average. Under the GIL pure Python cannot exceed about 1 core whatever the
     machine is doing; kernels that release it can reach ``n_threads`` when that many cores are free.
     torch runs one intra-op thread during the measurement, so any parallelism comes from the threads.
+    The work is large enough (about 50 ms per thread for the matmuls) that starting the threads costs
+    little beside it: with 6 products of 384 x 384 each, two threads kept 1.6 cores busy on 2 idle
+    cores and finished no sooner.
     """
     a = torch.randn(matmul_size, matmul_size)
 
@@ -585,21 +589,48 @@ def gil_demo(n_threads: int = 2, python_iters: int = 300_000, matmul_size: int =
             once()
             walls.append(time.perf_counter() - w0)
             cpus.append(time.process_time() - c0)
-        wall = statistics.median(walls)
-        return wall, statistics.median(c / w for c, w in zip(cpus, walls))
+        return walls, [c / w for c, w in zip(cpus, walls)]
 
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     out: dict = {"threads": n_threads, "gil_enabled": getattr(sys, "_is_gil_enabled", lambda: True)()}
     try:
         for kind, work in (("python", lambda: _python_work(python_iters)), ("torch", torch_work)):
-            seq_wall, seq_cores = measure(work, threaded=False)
-            thr_wall, thr_cores = measure(work, threaded=True)
+            seq_walls, seq_cores = measure(work, threaded=False)
+            thr_walls, thr_cores = measure(work, threaded=True)
+            seq_wall, thr_wall = statistics.median(seq_walls), statistics.median(thr_walls)
             out[kind] = {"sequential_s": seq_wall, "threaded_s": thr_wall, "speedup": seq_wall / thr_wall,
-                         "cores_sequential": seq_cores, "cores": thr_cores}
+                         "sequential_rounds_s": seq_walls, "threaded_rounds_s": thr_walls,
+                         "cores_sequential": statistics.median(seq_cores), "cores": statistics.median(thr_cores)}
     finally:
         torch.set_num_threads(before)
     return out
+
+
+# Two threads "ran side by side" when they kept clearly more cores busy than one thread alone.
+BUSY_FACTOR = 1.3
+
+
+def matmul_verdict(gil: dict) -> str:
+    """What :func:`gil_demo`'s threaded matmuls show, resting on both of its numbers: how many cores the
+    threads kept busy, and whether they finished sooner (over the repeats, through ``noise``)."""
+    r, n = gil["torch"], gil["threads"]
+    c = noise.compare(r["threaded_rounds_s"], r["sequential_rounds_s"], workers=n,
+                      names=(f"{n} threads at once", "one after another"))
+    busy = (f"The matmuls kept {r['cores']:.2f} cores busy (one thread alone: {r['cores_sequential']:.2f}) and "
+            f"took {c['ratio']:.2f}x the time of running one after another")
+    if c["disturbed"]:
+        return f"{busy}: {c['verdict']}"
+    if r["cores"] <= BUSY_FACTOR * r["cores_sequential"]:
+        return (f"{busy}: on this run no second core was free for the second thread (see the load average), so "
+                "the kernels could not overlap either. Rerun the cell when two cores are idle to see them "
+                "overlap; the Python loop cannot, whatever the load.")
+    if c["verdict"] == "faster":
+        return (f"{busy}, every repeat sooner: the kernels ran side by side, because PyTorch releases the GIL "
+                "while a kernel computes.")
+    return (f"{busy}; {c['verdict']}: the threads computed at the same time, so the GIL did not hold them "
+            "back, yet finished no sooner: the cores they shared (with each other's memory traffic, or with "
+            "other processes; see the load average) did no more work in total. Rerun the cell on an idle machine.")
 
 
 # --------------------------------------------------------------------------------------------------

@@ -26,6 +26,7 @@ from typing import Any
 from ddp_course import bench as harness
 from ddp_course.bench import BenchError as BenchError  # re-exported: callers catch module.BenchError
 from ddp_course.bench import OptionError
+from ddp_course.course import noise
 
 NAME = "buckets"
 LAB = "ddp_course.course.l05_inside_ddp.ddp_profile"
@@ -50,10 +51,10 @@ def table(result: dict[str, Any]) -> str:
     for r in rows:
         lines.append(f"{r['bucket_cap_mb']:>13g}  {r['allreduces_per_step']:>16}  {r['median_ms']:>16.1f}  "
                      f"{r['min_ms']:>7.1f}  {r['max_ms']:>7.1f}")
-    best = min(rows, key=lambda r: r["median_ms"])
-    lines.append(f"\nfastest: bucket_cap_mb={best['bucket_cap_mb']:g} ({best['median_ms']:.1f} ms per step); "
-                 f"model gradients {result['model_bytes'] / 2**20:.2f} MB; {result['world_size']} ranks, "
-                 f"{result['backend']} on {result['device']}"
+    # The winner only when its range clears every other size's (noise.ranking), else which sizes tie.
+    best = noise.ranking({f"bucket_cap_mb={r['bucket_cap_mb']:g}": r["step_ms"] for r in rows})
+    lines.append(f"\n{best['verdict']}\nmodel gradients {result['model_bytes'] / 2**20:.2f} MB; "
+                 f"{result['world_size']} ranks, {result['backend']} on {result['device']}"
                  + (f", {result['threads_per_rank']} thread(s) each" if result["device"] == "cpu" else ""))
     return "\n".join(lines)
 
