@@ -156,8 +156,50 @@ def results(output: str) -> list[dict]:
 
 
 def last_lines(output: str, n: int = 15) -> str:
-    """`` Last lines:`` and the last ``n`` lines of a job's output: what a failing verdict shows."""
-    return " Last lines:\n" + "\n".join(output.splitlines()[-n:])
+    """`` Last lines:`` and the last ``n`` lines of a job's output, without torchrun's own report of
+    the failure: what a failing verdict shows when no rank left an exception to show instead."""
+    from ddp_course.postmortem import without_launcher
+
+    return " Last lines:\n" + "\n".join(without_launcher(output).splitlines()[-n:])
+
+
+def crash_report(job, path: str | Path | None, tail: Callable[[str], str] = last_lines) -> str:
+    """Why a job (a ``launch.Run``) failed, for a verdict: each failing rank's exception with its frames
+    in ``path`` (the learner's file), as Python shows a traceback; else the end of its output."""
+    described = job.failure(path, keep=RECORDS)
+    if not described:
+        return tail(job.output)
+    return f"\n{described}" + (f"\nFix it in {Path(path).name} and run the check again." if path else "")
+
+
+def hang_report(job, path: str | Path | None, tail: Callable[[str], str] = last_lines) -> str:
+    """Where each rank of a job stopped at its timeout was waiting (its line in ``path``, and the
+    collective); else the end of its output."""
+    where = job.hang(path)
+    return f" Where each rank was waiting:\n{where}" if where else tail(job.output)
+
+
+def syntax_verdict(path: str | Path) -> Verdict | None:
+    """A failing verdict for a script Python cannot compile, before any process starts; else None."""
+    from ddp_course.postmortem import syntax_error
+
+    found = syntax_error(Path(path))
+    if found is None:
+        return None
+    return Verdict(False, f"{Path(path).name} has a syntax error, so no process could start it:\n{found}\n"
+                          "Fix that line (an unclosed bracket often shows on the line after it), then run the "
+                          "check again.")
+
+
+def stub_left(job) -> bool:
+    """True when a rank stopped at an exercise stub (``raise NotImplementedError(STUB)``): a TODO left,
+    not an error (a NotImplementedError of torch's own is an error like any other)."""
+    from ddp_course.postmortem import errors
+
+    states = errors(job.postmortem)
+    if states:
+        return any(STUB in s.error for s in states)
+    return STUB in job.output
 
 
 def run_exercise(path: str | Path, nproc: int, what: str, timeout: float, *,
@@ -165,23 +207,31 @@ def run_exercise(path: str | Path, nproc: int, what: str, timeout: float, *,
                  **run_kwargs) -> list[dict] | Verdict:
     """Run exercise script ``path`` on ``nproc`` processes: its ``RESULT`` lines, one per rank.
 
-    Or, when there are not that many, the failing verdict that says why: a TODO left (``what`` names
-    it), a job stopped at ``timeout``, or a rank that did not finish (``hint(output)`` may add a
-    likely cause, ``tail(output)`` shows the end of the output). The graders share this first step.
+    Or, when there are not that many, the failing verdict that says why: a syntax error (before any
+    process starts), a TODO left (``what`` names it), a job stopped at ``timeout`` (where each rank
+    was waiting), or a rank that failed (its exception, in the frames of ``path``). ``hint(output)``
+    may add a likely cause; ``tail(output)`` shows the end of the output when no rank left more. The
+    graders share this first step.
     """
     from ddp_course.launch import LaunchTimeout, run
 
+    bad = syntax_verdict(path)
+    if bad is not None:
+        return bad
     try:
         r = run(str(path), nproc=nproc, echo="none", progress=False, timeout=timeout, check=False, **run_kwargs)
     except LaunchTimeout as exc:
         return Verdict(False, f"the script did not finish within {timeout:.0f}s and was stopped."
-                              f"{hint(exc.run.output)}{tail(exc.run.output)}")
-    if "NotImplementedError" in r.output:
+                              f"{hint(exc.run.output)}{hang_report(exc.run, path, tail)}")
+    if stub_left(r):
         return not_complete(what, path)
     found = results(r.output)
     if len(found) != nproc:
-        return Verdict(False, f"with {nproc} processes the script did not finish on every rank "
-                              f"(exit code {r.returncode}).{hint(r.output)}{tail(r.output)}")
+        if r.returncode != 0:
+            return Verdict(False, f"with {nproc} processes the script failed (exit code {r.returncode}):"
+                                  f"{crash_report(r, path, tail)}{hint(r.output)}")
+        return Verdict(False, f"with {nproc} processes the script ended without a result from every rank "
+                              f"({len(found)} RESULT line(s)).{hint(r.output)}{tail(r.output)}")
     return found
 
 
@@ -362,6 +412,53 @@ def exercise_reference(number: str, graded: str | Path | None = None) -> Referen
                               and copy.resolve() == Path(graded).resolve()):
         return None
     return Reference(copy.read_text(encoding="utf-8"), f"lessons/exercises/{script}")
+
+
+def _names(source: str) -> set[str]:
+    """The functions and classes a script defines (qualified), e.g. {"shard", "MyDDP.forward"}; not
+    ``main``, which every exercise script has."""
+    import ast
+
+    tree = ast.parse(source)
+    names = {name for name, _ in _defs(tree.body)} | {n.name for n in tree.body if isinstance(n, ast.ClassDef)}
+    return names - {"main"}
+
+
+# A graded file is another exercise's when it lacks some of the names (functions, classes) that the
+# graded exercise's shipped script defines, and holds at least SAME of another's, more than of the
+# graded one's. A learner's own file keeps all of its exercise's names (the harness check needs them).
+# Between two shipped scripts: 06's only function, `accumulate`, is one of 05's (a 05 file graded as 06
+# is left to the harness check); 10 has 2 of its 3 in 04 (a 04 file graded as 10 is told it is 04's).
+SAME = 0.8
+
+
+def _key(exercise: Exercise) -> str:
+    """The shortest name ``check`` takes for an exercise: its lesson's number when it is the lesson's only one."""
+    alone = sum(ex.lesson == exercise.lesson for ex in exercises().values()) == 1
+    return exercise.lesson if alone else exercise.name
+
+
+def looks_like(path: Path, exercise: Exercise) -> Exercise | None:
+    """The exercise whose shipped script ``path`` resembles, when that is not ``exercise`` (a learner
+    grading one exercise's file as another's); None when it fits ``exercise`` or fits none."""
+    try:
+        mine = _names(path.read_text(encoding="utf-8"))
+    except (OSError, SyntaxError, UnicodeDecodeError):
+        return None
+
+    def similarity(ex: Exercise) -> float:
+        ref = exercise_reference(ex.name, path)
+        if ref is None:
+            return 0.0
+        theirs = _names(ref.source)
+        return len(mine & theirs) / max(1, len(theirs))
+
+    own = similarity(exercise)
+    if own == 1.0:  # every name of the graded exercise is there: its file (the harness check does the rest)
+        return None
+    scores = {ex.name: similarity(ex) for ex in exercises().values() if ex.name != exercise.name}
+    best = max(scores, key=scores.get, default=None)
+    return exercises()[best] if best is not None and scores[best] >= SAME and scores[best] > own else None
 
 
 def _defs(body: list, prefix: str = ""):
@@ -655,6 +752,15 @@ def grade(number: str, path: str | Path, **kwargs) -> Verdict:
 
     exercise = resolve(number, path)
     path_ = Path(path)
+    bad = syntax_verdict(path_) if path_.is_file() else None
+    if bad is not None:
+        return bad
+    other = looks_like(path_, exercise) if path_.is_file() else None
+    if other is not None:
+        return Verdict(False, f"{path_.name} looks like the file of exercise {other.name} ({other.script}), not of "
+                              f"{exercise.name} ({exercise.script}): it defines that exercise's functions. Grade it with "
+                              f"`python -m ddp_course check {_key(other)} {path}`, or grade your copy of "
+                              f"lessons/exercises/{exercise.script} here.")
     left = unfinished(path_.read_text(encoding="utf-8")) if path_.is_file() else []
     if left:
         what = left[0] if len(left) == 1 else ", ".join(left[:-1]) + " and " + left[-1]

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ddp_course import postmortem
 from ddp_course.config import ConfigError, from_dict, to_cli
 from ddp_course.dist import choose_device, cpu_count
 from ddp_course.metrics import read_jsonl, write_json
@@ -63,6 +64,19 @@ class Run:
     output: str
     elapsed_s: float
     overrides: dict[str, Any] = field(default_factory=dict)
+    postmortem: Path | None = None  # where its ranks left their exceptions and stacks (torchrun jobs)
+
+    def failure(self, focus: str | os.PathLike | None = None, keep: str | os.PathLike | None = None) -> str | None:
+        """Which ranks failed and why, in the frames of ``focus`` (a script) or of the course's own
+        files; None when no rank left an exception (``ddp_course.postmortem``). ``keep``: a folder to
+        copy the full traceback into, when the job's own folder will not last."""
+        return postmortem.describe_failure(postmortem.errors(self.postmortem), self.nproc,
+                                           Path(focus) if focus else None, self.output, Path(keep) if keep else None)
+
+    def hang(self, focus: str | os.PathLike | None = None) -> str | None:
+        """Where each rank was when a job that ran past its timeout was stopped; None without stacks."""
+        return postmortem.describe_hang(postmortem.stacks(self.postmortem, Path(focus) if focus else None),
+                                        self.nproc, Path(focus) if focus else None)
 
     @property
     def metrics(self) -> list[dict]:
@@ -99,7 +113,8 @@ class Run:
         """The finished job recorded in ``out_dir/launch.json`` (written by :func:`run` when it ends)."""
         rec = json.loads((Path(out_dir) / RECORD).read_text(encoding="utf-8"))
         return cls(rec["module"], rec["nproc"], rec["command"], Path(out_dir).resolve(), rec["returncode"],
-                   rec["output"], rec["elapsed_s"], rec["overrides"])
+                   rec["output"], rec["elapsed_s"], rec["overrides"],
+                   Path(rec["postmortem"]) if rec.get("postmortem") else None)
 
     def __repr__(self) -> str:
         s = self.summary or {}
@@ -222,8 +237,11 @@ def _explain_failure(run: Run, log_dir: Path | None) -> str:
     mine = [ln[len("error: "):] for ln in lines if ln.startswith("error: ")]
     if mine:
         return f"{head}\n{mine[0]}"
+    failure = run.failure(run.module if is_script(run.module) else None)
+    if failure:
+        return f"{head}\n{failure}"
     errors = error_files(log_dir)
-    tail = "\n".join(lines[-25:])
+    tail = "\n".join(postmortem.without_launcher(run.output).splitlines()[-25:])
     if errors:
         first = errors[0]
         who = f"rank {first['rank_dir']}" if first["rank_dir"].isdigit() else "a worker"
@@ -270,9 +288,14 @@ class _Job:
     job_id: str
     log_dir: Path | None  # torchrun's --log-dir (its workers' error.json files), None without torchrun
 
+    @property
+    def postmortem(self) -> Path | None:
+        """Where the ranks leave their exceptions and, when asked, their stacks (torchrun jobs)."""
+        return self.log_dir / "postmortem" if self.log_dir is not None else None
+
     def result(self, returncode: int | None, output: list[str], elapsed_s: float) -> Run:
         return Run(self.module, self.nproc, self.command, self.out_path, returncode, "\n".join(output), elapsed_s,
-                   self.overrides)
+                   self.overrides, self.postmortem)
 
 
 def _job(module: str, nproc: int, overrides: dict[str, Any], out_path: Path | None, use_torchrun: bool,
@@ -374,13 +397,21 @@ def _drain(lines: queue.Queue[str | None], output: list[str], echo: str, progres
         return False
 
 
-def _timed_out(job: _Job, proc: subprocess.Popen, output: list[str], timeout: float, start: float) -> LaunchTimeout:
-    """Stop the whole job; the error that says it ran past ``timeout`` seconds, with its last lines."""
+def _timed_out(job: _Job, proc: subprocess.Popen, lines: queue.Queue[str | None], output: list[str], timeout: float,
+               start: float) -> LaunchTimeout:
+    """Ask every rank where it is (a stack dump), stop the whole job; the error that says it ran past
+    ``timeout`` seconds, with where each rank was (or, without stacks, the last lines of output)."""
+    if job.postmortem is not None:
+        postmortem.ask_for_stacks(postmortem.job_pids_with_rank(_job_processes(job.job_id)), job.postmortem)
     stop_job(proc, job.job_id)
+    _drain(lines, output, "none", None)
+    run_ = job.result(proc.returncode, output, time.monotonic() - start)
+    where = run_.hang()
+    detail = (f"Where each rank was:\n{where}" if where else
+              "The last lines of output:\n" + "\n".join(postmortem.without_launcher("\n".join(output)).splitlines()[-20:]))
     return LaunchTimeout(f"The job `{job.module}` with {job.nproc} process(es) ran past its timeout of "
                          f"{timeout:.0f}s and was stopped (all of its processes). A collective waiting "
-                         "on a rank that never arrives looks like this; the last lines of output:\n"
-                         + "\n".join(output[-20:]), job.result(proc.returncode, output, time.monotonic() - start))
+                         f"on a rank that never arrives looks like this. {detail}", run_)
 
 
 def _stream(job: _Job, proc: subprocess.Popen, lines: queue.Queue[str | None], *, echo: str,
@@ -394,7 +425,7 @@ def _stream(job: _Job, proc: subprocess.Popen, lines: queue.Queue[str | None], *
             if progress is not None:
                 progress.update()
             if timeout is not None and time.monotonic() - start > timeout:
-                raise _timed_out(job, proc, output, timeout, start)
+                raise _timed_out(job, proc, lines, output, timeout, start)
         proc.wait()
     except KeyboardInterrupt:
         stop_job(proc, job.job_id)
@@ -413,7 +444,8 @@ def _write_record(run_: Run, env: dict[str, str] | None) -> None:
     assert run_.out_dir is not None
     write_json(run_.out_dir / RECORD, {"module": run_.module, "nproc": run_.nproc, "command": run_.command,
                                        "overrides": run_.overrides, "env": env or {}, "returncode": run_.returncode,
-                                       "output": run_.output, "elapsed_s": run_.elapsed_s})
+                                       "output": run_.output, "elapsed_s": run_.elapsed_s,
+                                       "postmortem": str(run_.postmortem) if run_.postmortem else None})
 
 
 def run(module: str = TRAIN_MODULE, nproc: int = 2, *, out_dir: str | os.PathLike | None = None,
@@ -442,6 +474,8 @@ def run(module: str = TRAIN_MODULE, nproc: int = 2, *, out_dir: str | os.PathLik
         use_torchrun = nproc > 1 or overrides.get("strategy", "single") not in ONE_PROCESS
     job = _job(module, nproc, overrides, out_path, use_torchrun, torchrun_args)
     full_env = _environment(nproc, job.job_id, torchrun_args, env)
+    if job.postmortem is not None:
+        full_env = postmortem.environment(job.postmortem, full_env, without_torchrun=False)
     if out_path is not None:
         _clear_outputs(out_path, bool(overrides.get("resume")))
 

@@ -1,7 +1,7 @@
 """The core never depends on lesson material, and nothing new lands beside the core.
 
-The core (``ddp_course/{cli,config,data,model,dist,train,checkpoint,metrics,launch,paths}.py`` and
-``ddp_course/parallel/``) is what the lessons build on; lesson material (``ddp_course.course`` and
+The core (``ddp_course/{cli,config,data,model,dist,train,checkpoint,metrics,launch,paths,postmortem}.py``,
+``ddp_course/parallel/`` and ``ddp_course/_postmortem/``) is what the lessons build on; lesson material (``ddp_course.course`` and
 everything under it) builds on the core. An import the other way round would make every training
 run load lesson code, and tie the core's behaviour to a lesson's. Checked three ways:
 
@@ -29,8 +29,8 @@ from harness import ROOT, run_command
 
 PACKAGE = ROOT / "ddp_course"
 LESSONS = "ddp_course.course"
-CORE = ("cli", "config", "data", "model", "dist", "train", "checkpoint", "metrics", "launch", "paths")
-CORE_PACKAGES = ("parallel",)
+CORE = ("cli", "config", "data", "model", "dist", "train", "checkpoint", "metrics", "launch", "paths", "postmortem")
+CORE_PACKAGES = ("parallel", "_postmortem")  # _postmortem: the start-up hook every rank of a job loads
 ENTRY_POINTS = ("__init__", "__main__", "bench", "check", "doctor")  # the command line, not the core
 TOP_LEVEL = {*(f"{m}.py" for m in (*CORE, *ENTRY_POINTS)), *CORE_PACKAGES, "course"}
 

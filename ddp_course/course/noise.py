@@ -14,8 +14,8 @@ in its place. No committed notebook output may carry that line (the notebook tes
 
 from __future__ import annotations
 
-import statistics
 import os
+import statistics
 from collections.abc import Mapping, Sequence
 from typing import Any
 

@@ -35,7 +35,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from ddp_course.check import Verdict, last_lines, not_complete, results
+from ddp_course.check import Verdict, crash_report, hang_report, not_complete, results, stub_left, syntax_verdict
 from ddp_course.cli import command, parse_flags
 
 EXERCISE = "08_save_load.py"  # the script this grades: lessons/exercises/08_save_load.py
@@ -136,12 +136,12 @@ def _kill_during_save(path: Path, scratch: Path, timeout: float) -> Verdict:
                   script=str(path.resolve()))
     except LaunchTimeout as exc:
         return Verdict(False, f"the job that kills a save halfway did not finish within {timeout:.0f}s and was "
-                              f"stopped.{last_lines(exc.run.output)}")
+                              f"stopped.{hang_report(exc.run, path)}")
     found = results(job.output)
     if not found:
         return Verdict(False, "the job that kills a save halfway (one process: save step 1, SIGKILL during the save of "
                               "step 2, restart, load_checkpoint) did not finish (exit code "
-                              f"{job.returncode}).{last_lines(job.output)}")
+                              f"{job.returncode}).{crash_report(job, path)}")
     return diagnose_kill(found[-1])
 
 
@@ -256,6 +256,9 @@ def _crash_and_restart(path: str | Path, out_dir: Path, timeout: float) -> Verdi
     """The crash-and-restart job on the learner's script, and ``diagnose`` of its RESULT lines."""
     from ddp_course.launch import LaunchTimeout, run
 
+    bad = syntax_verdict(path)
+    if bad is not None:
+        return bad
     try:
         job = run(str(path), nproc=NPROC, out_dir=out_dir, echo="none", progress=False, timeout=timeout,
                   check=False, torchrun_args=["--max-restarts=1"], env=RESTART_ENV, max_steps=MAX_STEPS,
@@ -264,8 +267,8 @@ def _crash_and_restart(path: str | Path, out_dir: Path, timeout: float) -> Verdi
         return Verdict(False, f"the job did not finish within {timeout:.0f}s and was stopped. A save that waits "
                               "forever is usually a collective that only some ranks call: dist.barrier() or "
                               "dist.gather_object() inside `if rank == 0:` waits for ranks that never come. "
-                              f"{last_lines(exc.run.output).lstrip()}")
-    if "NotImplementedError" in job.output:
+                              f"{hang_report(exc.run, path).lstrip()}")
+    if stub_left(job):
         return not_complete("save_checkpoint() or load_checkpoint()", path)
     found = results(job.output)
     if len(found) != NPROC:
@@ -273,7 +276,7 @@ def _crash_and_restart(path: str | Path, out_dir: Path, timeout: float) -> Verdi
                 "dist.barrier() or dist.gather_object() inside `if rank == 0:`, waits for ranks that never come."
                 if any(s in job.output for s in ("timed out", "Timeout", "timeout")) else "")
         return Verdict(False, f"after the crash and the restart, the job did not finish on every rank (exit code "
-                              f"{job.returncode}).{hint}{last_lines(job.output)}")
+                              f"{job.returncode}).{hint}{crash_report(job, path)}")
     return diagnose(found)
 
 
