@@ -11,28 +11,78 @@
 from __future__ import annotations
 
 import sys
+from fractions import Fraction
+
+RUN_PROG = "python -m ddp_course run"
+RUN_OPTIONS = {"nproc": (1, "processes torchrun starts on this machine (one per GPU, or a few on a CPU)")}
+
+
+def oversubscription(nproc: int, cores: int) -> str | None:
+    """The warning for a job of more processes than ``cores``, or None: what it costs (never a refusal)."""
+    if nproc <= cores:
+        return None
+    return (f"warning: --nproc={nproc} starts {nproc} processes on {cores} CPU core(s): each gets about "
+            f"{Fraction(cores, nproc)} of a core, so a step is slower than with --nproc={cores}, and start-up alone "
+            f"costs {nproc} x one process's start-up (each imports torch), shared by {cores} core(s). "
+            "Starting it anyway.")
+
+
+def _split_nproc(argv: list[str]) -> tuple[int, list[str], set[str]]:
+    """``--nproc`` (default 1), the other arguments (ddp_course.train's options) and the keys given;
+    read in the forms every option of the course takes (:func:`ddp_course.cli.split_flags`)."""
+    from ddp_course.cli import FlagError, split_flags
+    from ddp_course.config import TrainConfig
+
+    bools = {k for k, v in TrainConfig().to_dict().items() if isinstance(v, bool)}
+    nproc, rest, given = None, [], set()
+    for key, value, args in split_flags(argv, bools.__contains__):
+        if key != "nproc":
+            rest += args
+            given.add(key)
+            continue
+        if value is None:
+            raise FlagError("--nproc needs a value, e.g. --nproc=2.")
+        if nproc is not None:
+            raise FlagError("--nproc is given twice.")
+        try:
+            nproc = int(value)
+        except ValueError:
+            raise FlagError(f"--nproc expects an integer (got {value!r}), e.g. --nproc=2.") from None
+        if nproc < 1:
+            raise FlagError(f"--nproc is the number of processes and must be at least 1 (got {nproc}), e.g. --nproc=2.")
+    return nproc or 1, rest, given
 
 
 def _train_job(argv: list[str]) -> int:
     """`python -m ddp_course run --nproc=N --key=value ...`: ddp_course.train through launch.run."""
-    from ddp_course.config import ConfigError, parse_cli
-    from ddp_course.launch import LaunchError, run
+    from ddp_course.cli import HELP_FLAGS, FlagError
+    from ddp_course.config import check_out_dir, help_text, parse_cli
+    from ddp_course.dist import cpu_count
+    from ddp_course.launch import LaunchError, LaunchRefused, run
 
-    nproc = 1
-    rest = []
-    for arg in argv:
-        if arg.startswith("--nproc="):
-            nproc = int(arg.split("=", 1)[1])
-        else:
-            rest.append(arg)
+    if any(a in HELP_FLAGS for a in argv):
+        print(help_text(RUN_PROG, f"{RUN_PROG} --nproc=2 --strategy=ddp --max_steps=100", RUN_OPTIONS))
+        return 0
     try:
+        nproc, rest, given = _split_nproc(argv)
         cfg = parse_cli(rest)
-        given = {a[2:].split("=", 1)[0].replace("-", "_") for a in rest if a.startswith("--")}
-        overrides = {k: v for k, v in cfg.to_dict().items() if k in given}
-        r = run("ddp_course.train", nproc=nproc, **overrides)
-    except (ConfigError, LaunchError) as exc:
+        if "out_dir" in given:
+            check_out_dir(cfg.out_dir)
+    except FlagError as exc:  # ConfigError is one
         print(f"error: {exc}", file=sys.stderr)
-        return 2 if isinstance(exc, ConfigError) else 1
+        return 2
+    warning = oversubscription(nproc, cpu_count())
+    if warning:
+        print(warning, file=sys.stderr, flush=True)
+    overrides = {k: v for k, v in cfg.to_dict().items() if k in given}
+    try:
+        r = run("ddp_course.train", nproc=nproc, **overrides)
+    except LaunchError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2 if isinstance(exc, LaunchRefused) else 1
+    except ValueError as exc:  # launch.run refuses bad arguments with ValueError (ConfigError is one)
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     print(r)
     return 0
 

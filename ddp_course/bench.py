@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ddp_course.cli import FlagError, number_list, parse_flags
+from ddp_course.cli import GRAMMAR, FlagError, number_list, parse_flags
 from ddp_course.paths import show
 
 PACKAGE_ROOT = Path(__file__).resolve().parents[1]  # the directory holding ddp_course/
@@ -144,7 +144,8 @@ def usage(b: Bench | None = None) -> str:
         lines += [f"  {name:<16} {_module_summary(mod)}" for name, mod in module_benches().items()]
         lines += ["", "options of one benchmark: python -m ddp_course.bench NAME --help"]
         return "\n".join(lines)
-    lines = [f"usage: python -m ddp_course.bench {b.name} [--key=value ...]", "", b.doc, "", "options:"]
+    lines = [f"usage: python -m ddp_course.bench {b.name} [--key=value ...]", "", b.doc, "", GRAMMAR, "",
+             "options:"]
     lines += [f"  {f'--{k}={v}':<32} {b.help[k]}" for k, v in b.defaults.items() if not b.help[k].startswith("internal:")]
     return "\n".join(lines)
 

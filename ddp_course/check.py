@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -811,17 +812,18 @@ def main(argv: list[str]) -> int:
         print(listing())
         return 0
     if len(argv) != 2:
-        print("usage: python -m ddp_course check NN PATH   (python -m ddp_course check, alone, lists the exercises)")
+        print("usage: python -m ddp_course check NN PATH   (python -m ddp_course check, alone, lists the exercises)",
+              file=sys.stderr)
         return 2
     try:
         resolve(argv[0], argv[1])
     except ValueError as exc:
-        print(f"error: {exc}")
+        print(f"error: {exc}", file=sys.stderr)
         return 2
     path = Path(argv[1])
     if not path.is_file():
         print(f"error: {path} is not a file. Give the path of your exercise script, e.g. "
-              f"{resolve(argv[0], argv[1]).command.split()[-1]}")
+              f"{resolve(argv[0], argv[1]).command.split()[-1]}", file=sys.stderr)
         return 2
     verdict = grade(argv[0], path)
     print(verdict)

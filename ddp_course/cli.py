@@ -5,9 +5,12 @@
     @command
     def main(argv: list[str]) -> int: ...        # a FlagError raised inside -> "error: ..." and exit code 2
 
-Each value is converted to the type of its default; an unknown key, a missing ``=`` or a value of
+Each value is converted to the type of its default; an unknown key, a missing value or a value of
 the wrong type raises :class:`FlagError` with one paragraph that says what to write instead. Keys
 are matched exactly (never by prefix), and ``-`` in a key is read as ``_``.
+
+Every command of the course reads its options with :func:`split_flags`, so they all take the same
+forms (:data:`GRAMMAR`): ``--key=value``, ``--key value``, and a bare ``--flag`` for a boolean (true).
 """
 
 from __future__ import annotations
@@ -15,10 +18,13 @@ from __future__ import annotations
 import difflib
 import functools
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+GRAMMAR = ("Options are written --key=value (or --key value; a bare --flag sets a boolean to true); "
+           "- and _ in a key are the same.")
+HELP_FLAGS = ("-h", "--help")
 
 
 class FlagError(ValueError):
@@ -28,32 +34,59 @@ class FlagError(ValueError):
 def usage(prog: str, doc: str | None, defaults: dict[str, Any], helps: dict[str, str] | None = None) -> str:
     """The ``--help`` text: how to run ``prog``, its docstring, then each option with its default."""
     helps = helps or {}
-    lines = [f"usage: {prog} [--key=value ...]", "", (doc or "").strip(), "", "options:"]
+    lines = [f"usage: {prog} [--key=value ...]", "", (doc or "").strip(), "", GRAMMAR, "", "options:"]
     lines += [f"  {'--' + k + '=' + str(v):<28} {helps.get(k, '')}".rstrip() for k, v in defaults.items()]
     return "\n".join(lines)
 
 
+def split_flags(argv: list[str], is_bool: Callable[[str], bool]) -> Iterator[tuple[str, str | None, list[str]]]:
+    """Each option of ``argv`` as ``(key, value, args)``, the one reading of the course's option forms.
+
+    ``--key=value``, ``--key value``, or a bare ``--flag`` when ``is_bool(key)`` (value ``"true"``; a
+    boolean still takes a following value that is not an option: ``--resume false``). ``-`` in a key
+    is read as ``_``. ``key`` is ``""`` for an argument that is not an option; ``value`` is None for an
+    option with nothing after it; ``args`` are the arguments it was read from, as written."""
+    i = 0
+    while i < len(argv):
+        arg, i = argv[i], i + 1
+        if not arg.startswith("--") or arg == "--":
+            yield "", None, [arg]
+            continue
+        key, eq, value = arg[2:].partition("=")
+        key = key.replace("-", "_")
+        if eq:
+            yield key, value, [arg]
+        elif is_bool(key) and (i == len(argv) or argv[i].startswith("--")):
+            yield key, "true", [arg]
+        elif i < len(argv):
+            yield key, argv[i], [arg, argv[i]]
+            i += 1
+        else:
+            yield key, None, [arg]
+
+
 def parse_flags(argv: list[str], defaults: dict[str, Any], prog: str, *, doc: str | None = None,
                 helps: dict[str, str] | None = None) -> dict[str, Any]:
-    """Return ``defaults`` updated from ``--key=value`` arguments, each converted to its default's type.
+    """Return ``defaults`` updated from the options in ``argv``, each converted to its default's type
+    (the forms of :func:`split_flags`; an option given twice takes its last value).
 
     ``-h`` or ``--help`` prints :func:`usage` (``doc`` and the per-option ``helps``) and exits 0."""
-    if any(a in ("-h", "--help") for a in argv):
+    if any(a in HELP_FLAGS for a in argv):
         print(usage(prog, doc, defaults, helps), flush=True)
         raise SystemExit(0)
     values = dict(defaults)
     valid = ", ".join(f"--{k}={v}" for k, v in defaults.items())
-    for arg in argv:
-        if not arg.startswith("--") or "=" not in arg:
-            raise FlagError(f"{prog}: unexpected argument {arg!r}. Options are written --key=value; "
-                            f"the options and their defaults are: {valid}.")
-        key, value = arg[2:].split("=", 1)
-        key = key.replace("-", "_")
+    for key, value, args in split_flags(argv, lambda k: type(defaults.get(k)) is bool):
+        if not key:
+            raise FlagError(f"{prog}: unexpected argument {args[0]!r}. {GRAMMAR} "
+                            f"The options and their defaults are: {valid}.")
         if key not in defaults:
             close = close_keys(key, defaults)
             hint = f" Did you mean {' or '.join(close)}?" if close else ""
             raise FlagError(f"{prog}: unknown option --{key}.{hint} The options and their defaults are: {valid}.")
         default = defaults[key]
+        if value is None:
+            raise FlagError(f"{prog}: --{key} needs a value, e.g. --{key}={default}.")
         try:
             values[key] = convert(value, type(default))
         except ValueError:
@@ -98,12 +131,12 @@ def close_keys(key: str, keys: Iterable[str], n: int = 2) -> list[str]:
 def command(main: Callable[[list[str]], int | None]) -> Callable[[list[str] | None], int]:
     """Wrap a module's ``main(argv) -> int``: ``argv`` defaults to ``sys.argv[1:]``, and a
     :class:`FlagError` (bad input; :class:`ddp_course.config.ConfigError` is one) becomes one
-    ``error: ...`` paragraph on stdout and exit code 2, the course's answer to bad input everywhere."""
+    ``error: ...`` paragraph on stderr and exit code 2, the course's answer to bad input everywhere."""
     @functools.wraps(main)
     def wrapped(argv: list[str] | None = None) -> int:
         try:
             return int(main(sys.argv[1:] if argv is None else list(argv)) or 0)
         except FlagError as exc:
-            print(f"error: {exc}", flush=True)
+            print(f"error: {exc}", file=sys.stderr, flush=True)
             return 2
     return wrapped

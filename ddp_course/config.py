@@ -1,22 +1,26 @@
 """The one configuration object of the course.
 
 Every runnable module reads a :class:`TrainConfig`. On the command line each field is a
-``--key=value`` flag (``--max_steps=200`` or ``--max-steps=200``); unknown keys and values of the
-wrong type are refused with a message that names the valid choices. Flags are matched exactly,
-never by prefix, so they cannot be confused with torchrun's own (abbreviating) options.
+``--key=value`` flag (``--max_steps=200`` or ``--max-steps=200``; ``--max_steps 200`` and a bare
+``--resume`` too: the forms of :func:`ddp_course.cli.split_flags`, the same in every command of the
+course); unknown keys and values of the wrong type are refused with a message that names the valid
+choices. Flags are matched exactly, never by prefix, so they cannot be confused with torchrun's own
+(abbreviating) options.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import inspect
+import os
 import pkgutil
+import tempfile
 import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ddp_course.cli import FlagError, close_keys, convert, type_word
+from ddp_course.cli import GRAMMAR, HELP_FLAGS, FlagError, close_keys, convert, split_flags, type_word
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 DEVICES = ("auto", "cpu", "cuda")
@@ -224,8 +228,13 @@ def from_dict(values: dict[str, Any]) -> TrainConfig:
     return TrainConfig(**{k.replace("-", "_"): coerce(k.replace("-", "_"), v) for k, v in values.items()})
 
 
-def help_text(prog: str = "python -m ddp_course.train") -> str:
-    """``--help``: every field, its default and the comment written beside it."""
+TRAIN_EXAMPLE = "torchrun --standalone --nproc_per_node=2 -m ddp_course.train --strategy=ddp"
+
+
+def help_text(prog: str = "python -m ddp_course.train", example: str = TRAIN_EXAMPLE,
+              extra: dict[str, tuple[Any, str]] | None = None) -> str:
+    """``--help``: every field, its default and the comment written beside it (after ``extra``, the
+    options of a command around the training run: ``{name: (default, help)}``)."""
     src = inspect.getsource(TrainConfig).splitlines()
     comments = {}
     for line in src:
@@ -233,41 +242,55 @@ def help_text(prog: str = "python -m ddp_course.train") -> str:
         if ":" in stripped and "#" in stripped and not stripped.startswith("#"):
             name = stripped.split(":", 1)[0].strip()
             comments[name] = stripped.split("#", 1)[1].strip()
-    lines = [f"usage: {prog} [--key=value ...]", "",
-             "  torchrun --standalone --nproc_per_node=2 -m ddp_course.train --strategy=ddp", "", "options:"]
+    lines = [f"usage: {prog} [--key=value ...]", "", f"  {example}", "", GRAMMAR, "", "options:"]
+    lines += [f"  --{name}={default!s:<16} {text}" for name, (default, text) in (extra or {}).items()]
     for f in dataclasses.fields(TrainConfig):
         lines.append(f"  --{f.name}={f.default!s:<16} {comments.get(f.name, '')}")
     return "\n".join(lines)
 
 
 def parse_cli(argv: list[str]) -> TrainConfig:
-    """Parse ``--key=value`` (or ``--key value``; a bare ``--flag`` means true for booleans)."""
+    """Parse the options (``--key=value``, ``--key value``, a bare ``--flag`` for a boolean: the forms of
+    :func:`ddp_course.cli.split_flags`). ``--help`` raises SystemExit with :func:`help_text`."""
+    if any(a in HELP_FLAGS for a in argv):
+        raise SystemExit(help_text())
     values: dict[str, Any] = {}
     types = _field_types()
-    i = 0
-    while i < len(argv):
-        arg = argv[i]
-        if arg in ("-h", "--help"):
-            raise SystemExit(help_text())
-        if not arg.startswith("--"):
-            raise ConfigError(f"Unexpected argument {arg!r}: options are written --key=value, e.g. --max_steps=100.")
-        key, eq, value = arg[2:].partition("=")
-        key = key.replace("-", "_")
+    for key, value, args in split_flags(argv, lambda k: types.get(k) is bool):
+        if not key:
+            raise ConfigError(f"Unexpected argument {args[0]!r}. {GRAMMAR} For example --max_steps=100.")
         if key not in types:
             raise _unknown_key(key)
-        if not eq:
-            if types[key] is bool and (i + 1 == len(argv) or argv[i + 1].startswith("--")):
-                value = "true"
-            elif i + 1 < len(argv):
-                i += 1
-                value = argv[i]
-            else:
-                raise ConfigError(f"--{key} needs a value, e.g. --{key}={getattr(TrainConfig(), key)}.")
+        if value is None:
+            raise ConfigError(f"--{key} needs a value, e.g. --{key}={getattr(TrainConfig(), key)}.")
         if key in values:
             raise ConfigError(f"--{key} is given twice.")
         values[key] = coerce(key, value)
-        i += 1
     return TrainConfig(**values)
+
+
+def check_out_dir(out_dir: str) -> None:
+    """Create ``out_dir`` (and its parents) and write a file in it, before a run starts: a folder that
+    cannot be had raises :class:`ConfigError` saying why, rather than a traceback after the set-up."""
+    path = Path(out_dir)
+    advice = "pass a folder you can write to, e.g. --out_dir=runs/my_run."
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"--out_dir={out_dir} cannot be created: {_why(path, exc)}; {advice}") from None
+    try:
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as exc:
+        raise ConfigError(f"--out_dir={out_dir} cannot be written to: {_why(path, exc)}; {advice}") from None
+
+
+def _why(path: Path, exc: OSError) -> str:
+    """Why ``path`` cannot be a folder: a file in its way, else the system's reason."""
+    for p in (*reversed(path.parents), path):
+        if os.path.exists(p) and not os.path.isdir(p):
+            return f"{p} is a file, not a folder"
+    return f'the system answered "{exc.strerror or exc}"'
 
 
 def to_cli(values: dict[str, Any]) -> list[str]:
@@ -280,5 +303,5 @@ def to_cli(values: dict[str, Any]) -> list[str]:
     return out
 
 
-__all__ = ["TrainConfig", "ConfigError", "parse_cli", "from_dict", "to_cli", "help_text",
+__all__ = ["TrainConfig", "ConfigError", "parse_cli", "from_dict", "to_cli", "help_text", "check_out_dir",
            "available_strategies", "PRECISIONS", "DEVICES"]

@@ -52,6 +52,10 @@ class LaunchTimeout(LaunchError):
     """The job ran past its timeout and was stopped."""
 
 
+class LaunchRefused(LaunchError):
+    """The job's program refused its input (an ``error:`` paragraph): bad input, not a crash."""
+
+
 @dataclass
 class Run:
     """A finished job: where it wrote, how it ended, and what it measured."""
@@ -491,5 +495,6 @@ def run(module: str = TRAIN_MODULE, nproc: int = 2, *, out_dir: str | os.PathLik
     if out_path is not None:
         _write_record(run_, env)
     if check and proc.returncode != 0:
-        raise LaunchError(_explain_failure(run_, job.log_dir), run_)
+        refused = any(line.startswith("error: ") for line in output)
+        raise (LaunchRefused if refused else LaunchError)(_explain_failure(run_, job.log_dir), run_)
     return run_

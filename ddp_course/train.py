@@ -9,7 +9,9 @@ Two processes with DistributedDataParallel (gloo on CPU, NCCL when each rank has
     torchrun --standalone --nproc_per_node=2 -m ddp_course.train --strategy=ddp
 
 ``python -m ddp_course.train --help`` lists every option. Rank 0 writes ``config.json``,
-``metrics.jsonl`` and ``summary.json`` into ``--out_dir``.
+``metrics.jsonl`` and ``summary.json`` into ``--out_dir``. Bad input (an option, a strategy this
+launch cannot run, a batch that does not split over the ranks, an ``--out_dir`` that cannot be
+written) is refused before the process group is joined: one ``error:`` paragraph and exit code 2.
 """
 
 from __future__ import annotations
@@ -30,9 +32,11 @@ import torch.nn as nn
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from ddp_course import checkpoint, parallel
-from ddp_course.config import ConfigError, TrainConfig, parse_cli
+from ddp_course.cli import HELP_FLAGS
+from ddp_course.config import ConfigError, TrainConfig, check_out_dir, help_text, parse_cli
 from ddp_course.data import Batch, CorpusError, Data, prepare, stream_batches, train_batches, val_batches
-from ddp_course.dist import DeviceError, DistInfo, all_reduce_mean, log, seed_everything, setup
+from ddp_course.dist import DeviceError, DistInfo, all_reduce_mean, launched_by_torchrun, log, seed_everything, setup
+from ddp_course.launch import ONE_PROCESS
 from ddp_course.metrics import MetricsWriter, environment, mfu, peak_memory, reset_peak_memory, write_json
 from ddp_course.model import GPTConfig, MiniGPT
 from ddp_course.paths import show
@@ -439,17 +443,49 @@ def run_training(cfg: TrainConfig, info: DistInfo) -> dict[str, Any]:
     return summary
 
 
+def check_launch(cfg: TrainConfig) -> None:
+    """Refuse what this process cannot run, before it joins a process group or builds anything: a
+    strategy against how the process was started, the global batch against the world size, and
+    ``--out_dir`` (created here; every rank may write into it). Raises :class:`ConfigError`."""
+    distributed = launched_by_torchrun()
+    world_size = int(os.environ.get("WORLD_SIZE", 1)) if distributed else 1
+    if cfg.strategy not in ONE_PROCESS and not distributed:
+        raise ConfigError(f"--strategy={cfg.strategy} needs a process group, and this process was not started by "
+                          f"torchrun: launch with `torchrun --standalone --nproc_per_node=2 -m ddp_course.train "
+                          f"--strategy={cfg.strategy}` (or `python -m ddp_course run --nproc=2 "
+                          f"--strategy={cfg.strategy}`).")
+    if cfg.strategy in ONE_PROCESS and world_size > 1:
+        raise ConfigError(f"--strategy={cfg.strategy} runs in one process, but this job has {world_size} ranks: "
+                          "every rank would train a model of its own. Use --strategy=ddp with torchrun, "
+                          "or launch one process.")
+    cfg.replace().resolve_batch(world_size)  # on a copy: run_training resolves the caller's config again
+    check_out_dir(cfg.out_dir)
+
+
 def main(cfg: TrainConfig) -> dict[str, Any]:
-    """Join the process group (if launched by torchrun), train, always tear down. Returns the summary."""
+    """Check the launch, join the process group (if launched by torchrun), train, always tear down.
+    Returns the summary."""
+    check_launch(cfg)
     with setup(cfg.device, cfg.timeout_s, cfg.threads) as info:
         return run_training(cfg, info)
 
 
 @record  # on failure, torchrun's error file carries this rank's traceback
 def cli(argv: list[str] | None = None) -> None:
-    """``python -m ddp_course.train``: parse the flags, train; bad input is one ``error:`` paragraph and exit 2."""
+    """``python -m ddp_course.train``: parse the flags, train; bad input is one ``error:`` paragraph and exit 2.
+
+    Under torchrun the refusal is printed once (rank 0) and every rank exits 2 before joining the process
+    group. torchrun itself then reports the failed workers (a log line, its own ChildFailedError traceback
+    and a summary, exit code 1): its process does so for any non-zero exit of a worker, and nothing a
+    worker does changes that short of exiting 0. (Writing the refusal into the worker's error file only
+    swaps the summary's "To enable traceback see: <link>" for the refusal, twice, and adds a log line.)
+    """
+    argv = sys.argv[1:] if argv is None else argv
+    if any(a in HELP_FLAGS for a in argv):
+        print(help_text(), flush=True)
+        return
     try:
-        cfg = parse_cli(sys.argv[1:] if argv is None else argv)
+        cfg = parse_cli(argv)
         main(cfg)
     except (ConfigError, DeviceError, CorpusError, checkpoint.CheckpointError) as exc:
         # a clear one-paragraph message instead of a traceback: the fix is in the message

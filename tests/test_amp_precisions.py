@@ -32,8 +32,8 @@ def test_each_run_equals_its_own_process_run(tmp_path, one_thread):
 
 def test_bad_input_is_one_error_line(capsys):
     assert precisions.main(["--precisions=fp32,fp8"]) == 2
-    assert "--precisions must list each of fp32, bf16, fp16" in capsys.readouterr().out
+    assert "--precisions must list each of fp32, bf16, fp16" in capsys.readouterr().err
     assert precisions.main(["--strategy=ddp"]) == 2
-    assert "one-process strategies" in capsys.readouterr().out
+    assert "one-process strategies" in capsys.readouterr().err
     assert precisions.main(["--precision=bf16"]) == 2
-    assert "--precisions=" in capsys.readouterr().out
+    assert "--precisions=" in capsys.readouterr().err

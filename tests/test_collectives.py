@@ -109,12 +109,12 @@ def test_labs_refuse_bad_options(capsys, monkeypatch):
     from ddp_course.course.l02_collectives import collectives, mismatch
 
     assert collectives.main(["--out-dirr=x"]) == 2
-    assert "unknown option --out_dirr" in capsys.readouterr().out
+    assert "unknown option --out_dirr" in capsys.readouterr().err
     monkeypatch.delenv("RANK", raising=False)
     assert collectives.main([]) == 2
-    assert "launch it with torchrun" in capsys.readouterr().out
+    assert "launch it with torchrun" in capsys.readouterr().err
     assert mismatch.main(["--case=sometimes"]) == 2
-    assert "--case must be one of skip, order" in capsys.readouterr().out
+    assert "--case must be one of skip, order" in capsys.readouterr().err
     assert parse_flags(["--timeout_s=3", "--device=cpu"], {"timeout_s": 1.0, "device": "auto"}, "p") == \
         {"timeout_s": 3.0, "device": "cpu"}
     with pytest.raises(FlagError, match="expects a number"):

@@ -211,7 +211,7 @@ def test_a_lesson_number_names_its_exercise_and_a_bad_name_says_which_there_are(
         assert check.resolve(ex.name, tmp_path / "mine.py") == ex
     with pytest.raises(ValueError, match="no exercise '99'.*python -m ddp_course check"):
         check.resolve("99")
-    assert check.main(["99", "x.py"]) == 2 and "error: no exercise '99'" in capsys.readouterr().out
+    assert check.main(["99", "x.py"]) == 2 and "error: no exercise '99'" in capsys.readouterr().err
     lessons = [ex.lesson for ex in check.exercises().values()]
     for lesson in {n for n in lessons if lessons.count(n) > 1}:  # several in one lesson: a file named otherwise
         with pytest.raises(ValueError, match=f"lesson {lesson} has .* exercises; name the one"):

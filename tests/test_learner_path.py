@@ -286,8 +286,10 @@ def test_unanswered_lesson(name, tmp_path):
         ename, evalue = r["error"]
         assert ename != "NameError", "a NameError: a TODO left something undefined\n" + where(i)
         if i in p["grading"]:
-            assert NOT_COMPLETE in evalue and "TODO" in evalue and "re-run this cell" in evalue, \
+            text = got[i]["text"]
+            assert NOT_COMPLETE in text and "TODO" in text and "re-run this cell" in text, \
                 "a check failed without telling the learner what to do\n" + where(i)
+            assert NOT_COMPLETE not in evalue, "the verdict is shown twice (printed, then in the error)\n" + where(i)
         elif i in p["todo"]:
             assert (ename, evalue) == ("NotImplementedError", STUB), where(i)
         else:
