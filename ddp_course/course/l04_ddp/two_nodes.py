@@ -44,7 +44,7 @@ def node_command(node_rank: int, nnodes: int, nproc_per_node: int, master_addr: 
 
 def elastic_command(nnodes: int, nproc_per_node: int, endpoint: str, job_id: str, script: list[str],
                     python: str = "torchrun") -> list[str]:
-    """The torchrun command with the c10d rendezvous: the same line on every node, ranks by arrival."""
+    """The torchrun command with the c10d rendezvous: the same line on every node, node ranks given when it closes."""
     launcher = [python] if python == "torchrun" else [python, "-m", "torch.distributed.run"]
     return [*launcher, f"--nnodes={nnodes}", f"--nproc_per_node={nproc_per_node}", f"--rdzv_id={job_id}",
             "--rdzv_backend=c10d", f"--rdzv_endpoint={endpoint}", *script]

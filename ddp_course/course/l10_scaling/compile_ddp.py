@@ -10,8 +10,9 @@ Every rank trains the same small MiniGPT on its own fixed batches, three ways, f
   dynamo sees DDP and its *DDPOptimizer* splits the graph at gradient-bucket boundaries, so each
   bucket's all-reduce can start while the backward of the earlier layers still runs;
 - ``DDP(torch.compile(model))`` -- *wrap the compiled model* (order B, what ``--compile`` in
-  ``ddp_course.train`` does): one graph; DDP's hooks fire when the compiled backward hands back the
-  gradients.
+  ``ddp_course.train`` does): DDP marks its forward so that dynamo applies DDPOptimizer here too
+  (in the PyTorch versions the course runs; lesson 10 asserts it), so it is split the same way; DDP's
+  hooks fire when the compiled backward hands back the gradients.
 
 For each it records the losses (compared with eager DDP), the graphs the backend compiled (a counting
 wrapper around ``--backend``), the first step's time (tracing and compiling) and whether the replicas

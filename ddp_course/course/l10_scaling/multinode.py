@@ -8,7 +8,8 @@ prints, for ``--nnodes`` nodes with ``--nproc`` GPUs each:
 1. the torchrun line for every node with the **static** rendezvous: ``--node_rank`` differs per
    node, ``--master_addr``/``--master_port`` name node 0, which hosts the rendezvous store;
 2. the one torchrun line for every node with the elastic **c10d** rendezvous: the same text on
-   every node, ``--rdzv_endpoint`` names a host:port all nodes reach, and ranks follow arrival;
+   every node, ``--rdzv_endpoint`` names a host:port all nodes reach, and the node ranks are given
+   when the rendezvous closes (sorted by host address and agent process id, not by arrival);
 3. a Slurm batch script that runs (2) on its allocation through ``srun``, one agent per node;
 4. the NCCL environment knobs worth knowing when such a job hangs or crawls.
 
@@ -75,7 +76,7 @@ def static_commands(spec: JobSpec) -> list[list[str]]:
 
 
 def c10d_command(spec: JobSpec, endpoint: str | None = None) -> list[str]:
-    """The one torchrun command every node runs with the c10d rendezvous (ranks by arrival)."""
+    """The one torchrun command every node runs with the c10d rendezvous (node ranks given when it closes)."""
     endpoint = endpoint or f"{spec.master_addr}:{spec.port}"
     return ["torchrun", f"--nnodes={spec.nnodes}", f"--nproc_per_node={spec.nproc}", f"--rdzv_id={spec.job_id}",
             "--rdzv_backend=c10d", f"--rdzv_endpoint={endpoint}", *spec.script()]
@@ -301,7 +302,8 @@ def render(spec: JobSpec) -> str:
            f"{spec.master_addr}, port {spec.port} open to the other nodes)"]
     for i, cmd in enumerate(static_commands(spec)):
         out.append(f"node {i}:  {env}{shlex.join(cmd)}")
-    out += ["", "## c10d rendezvous: the same line on every node (ranks by arrival; restarts possible)",
+    out += ["", "## c10d rendezvous: the same line on every node (node ranks sorted by address and pid when it "
+            "closes; restarts possible)",
             f"{env}{shlex.join(c10d_command(spec))}",
             "", "## Slurm: save as job.sbatch, submit with `sbatch job.sbatch`", slurm_script(spec),
             "## NCCL knobs (export before torchrun when a job hangs or crawls)"]
