@@ -177,3 +177,19 @@ def test_allreduce_bench_tiny(tmp_path):
     assert bench_allreduce.main(["--max_bytes=lots"]) == 2
     assert not (tmp_path / "x").exists()
     assert bench_allreduce.bus_factor(4) == 1.5 and bench_allreduce.message_sizes(1, 64, 4) == [4, 16, 64]
+
+
+def test_ring_grader_names_floor_divided_chunks_not_a_missing_all_gather(tmp_path):
+    """Chunks of length size // n leave the remainder out of the ring; every rank then holds the same
+    one right chunk, which the grader used to read as a missing all-gather."""
+    from ddp_course.check import grade
+
+    src = answered_exercise(RING_SOLUTION.name)
+    floor = src.replace("chunks = x.tensor_split(n)",
+                        "c = x.numel() // n\n    chunks = [x[i * c:(i + 1) * c] for i in range(n)]")
+    assert floor != src
+    broken = tmp_path / RING_SOLUTION.name
+    broken.write_text(floor)
+    verdict = grade("02", broken)
+    assert not verdict.ok and "never went round the ring" in verdict.message, verdict.message
+    assert "all-gather phase is missing" not in verdict.message

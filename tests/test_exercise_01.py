@@ -53,3 +53,26 @@ def test_the_grader_trusts_its_own_mean_not_the_scripts_claims(monkeypatch):
     assert not verdict.ok and f"the mean over all windows is {want:.6f}" in verdict.message
     monkeypatch.setattr(grader, "run_exercise", lambda *a, **k: [dict(x, result=want) for x in forged])
     assert grader.grade("01_global_val_loss.py").ok
+
+
+def test_each_wrong_value_is_named_by_its_own_mistake(monkeypatch):
+    """The grader used to ask "are you averaging per-rank means?" for every wrong value. Now each classic
+    mistake, simulated on the grader's own window losses, is named by itself (on every rank and world
+    size, with float32 rounding on top), and a value none of them explains is named by none (no job here)."""
+    from ddp_course.course.l01_minigpt import grader
+
+    losses = grader.reference_losses()
+    for nproc in (2, 3):
+        for name, (fn, text) in grader.MISTAKES.items():
+            for rank in range(nproc):
+                value = fn(losses, rank, nproc)
+                said = grader.explain(value * (1 + 1e-7), rank, nproc, losses)
+                assert text in said, (name, nproc, rank, said)
+                others = [t for n, (_, t) in grader.MISTAKES.items() if n != name]
+                assert not any(t in said for t in others), (name, said)
+    assert "none of the classic mistakes" in grader.explain(1.234, 0, 2, losses)
+    # through grade(), a job whose ranks each return their own mean
+    forged = [{"rank": r, "result": losses[r::2].mean().item(), "ok": False} for r in range(2)]
+    monkeypatch.setattr(grader, "run_exercise", lambda *a, **k: forged)
+    verdict = grader.grade("01_global_val_loss.py")
+    assert "each rank returned the mean of its own windows" in verdict.message and "per-rank means" not in verdict.message

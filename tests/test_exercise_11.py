@@ -170,3 +170,20 @@ def test_diagnosis_holds_while_another_thread_grades():
         grader._reference.cache_clear()
         for v in at_once(lambda: grader.diagnose(rows, c), 2):
             assert "no all-reduce after the row-parallel proj" in v.message, v.message
+
+
+def test_a_bias_added_on_rank_0_only_is_named_not_taken_for_copies():
+    """proj's bias inside `if rank == 0:` before g: the forward is right, and rank 1's proj.bias gets no
+    gradient. The grader used to say "not with copies of them"; it now names the one-rank use."""
+    rows = rows_from_reference()
+    for name in rows[1]["grads"]:
+        if name.endswith(".mlp.proj.bias"):
+            rows[1]["grads"][name] = {"norm": None, "rel_diff": None}
+    message = grader.diagnose(rows, constants()).message
+    assert "none on rank(s) [1]" in message and "not inside `if rank == 0:`" in message, message
+    assert "copies" not in message
+    for r in rows:  # missing on every rank: still the copies
+        for name in r["grads"]:
+            if name.endswith(".mlp.proj.bias"):
+                r["grads"][name] = {"norm": None, "rel_diff": None}
+    assert "not with copies of them" in grader.diagnose(rows, constants()).message

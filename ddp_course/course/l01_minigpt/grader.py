@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ddp_course.check import Verdict, not_complete, run_exercise
+from ddp_course.check import Verdict, nearest, not_complete, run_exercise
 
 EXERCISE = "01_global_val_loss.py"  # the script this grades: lessons/exercises/01_global_val_loss.py
 
@@ -20,9 +20,9 @@ N_WINDOWS = 47  # the exercise's own setting (part of its harness, which check.g
 TOLERANCE = 1e-6
 
 
-def reference_mean() -> float:
-    """The mean loss over all the exercise's validation windows, computed here in one process with the
-    exercise's model (same seed, same shape): the grader's own answer, not the script's."""
+def reference_losses() -> torch.Tensor:
+    """The loss of each of the exercise's validation windows (float64), computed here in one process
+    with the exercise's model (same seed, same shape): what the grader's answers are made of."""
     from ddp_course.data import prepare
     from ddp_course.dist import seeded
     from ddp_course.model import GPTConfig, MiniGPT
@@ -34,24 +34,67 @@ def reference_mean() -> float:
     x, y = (torch.stack([data.val[i][j] for i in range(N_WINDOWS)]) for j in (0, 1))
     with torch.no_grad():
         per_token = F.cross_entropy(model(x).transpose(1, 2), y, reduction="none")
-    return per_token.mean(dim=1).double().mean().item()
+    return per_token.mean(dim=1).double()
+
+
+def reference_mean() -> float:
+    """The mean loss over all the exercise's validation windows: the grader's own answer, not the script's."""
+    return reference_losses().mean().item()
+
+
+# What a wrong global_mean returns on rank r of W, from the windows' losses, and what to tell the learner.
+MISTAKES: dict[str, tuple[Callable[[torch.Tensor, int, int], float], str]] = {
+    "per-rank means averaged": (
+        lambda w, r, n: torch.stack([w[q::n].mean() for q in range(n)]).mean().item(),
+        "you averaged the per-rank means, but the ranks hold different numbers of windows (47 does not divide "
+        "by the world size): all-reduce the sums and the counts, then divide."),
+    "this rank's mean only": (
+        lambda w, r, n: w[r::n].mean().item(),
+        "each rank returned the mean of its own windows: nothing was combined over the ranks. All-reduce the "
+        "sum and the count (every rank must call the collective)."),
+    "sum not divided": (
+        lambda w, r, n: w.sum().item(),
+        "that is the sum of the losses over all windows: divide it by the total count (all-reduced too)."),
+    "per-rank means summed": (
+        lambda w, r, n: torch.stack([w[q::n].mean() for q in range(n)]).sum().item(),
+        "that is the sum of the per-rank means: the all-reduce summed them, and nothing divided the result. "
+        "All-reduce the sums and the counts instead."),
+    "total over this rank's count": (
+        lambda w, r, n: (w.sum() / len(range(r, len(w), n))).item(),
+        "you divided the all-reduced sum by this rank's own count: all-reduce the count too."),
+    "total over the world size": (
+        lambda w, r, n: (w.sum() / n).item(),
+        "you divided the all-reduced sum by the world size: divide by the number of windows over all ranks."),
+}
+
+
+def explain(result: float, rank: int, nproc: int, losses: torch.Tensor) -> str:
+    """Which classic mistake rank ``rank``'s wrong ``result`` is (nearest, with a margin), or a question."""
+    candidates = {name: [fn(losses, rank, nproc)] for name, (fn, _) in MISTAKES.items()}
+    candidates["the right answer"] = [losses.mean().item()]
+    found = nearest([result], candidates)
+    if found.name in MISTAKES and found.clear():
+        return f" It looks like {MISTAKES[found.name][1]}"
+    return (" It is none of the classic mistakes the grader knows (the mean of per-rank means, a rank's own "
+            "mean, a sum not divided by the total count): print each rank's sum and count before and after "
+            "the all-reduce.")
 
 
 def grade(path: str | Path, timeout: float = 180) -> Verdict:
     """global_mean must give every rank the mean over all windows (2 and 3 ranks), the mean this
     grader computes itself."""
-    want = None
+    losses = None
     for nproc in (2, 3):
         found = run_exercise(path, nproc, "global_mean()", timeout)
         if isinstance(found, Verdict):
             return found
-        want = reference_mean() if want is None else want
+        losses = reference_losses() if losses is None else losses
+        want = losses.mean().item()
         bad = [x for x in found if not abs(x["result"] - want) < TOLERANCE]
         if bad:
             x = bad[0]
             return Verdict(False, f"with {nproc} processes rank {x['rank']} got {x['result']:.6f} but the mean over "
-                                  f"all windows is {want:.6f}. Are you averaging per-rank means? The ranks "
-                                  "hold different numbers of windows: all-reduce the sums and the counts.")
+                                  f"all windows is {want:.6f}.{explain(x['result'], x['rank'], nproc, losses)}")
     return Verdict(True, f"every rank gets the mean over all windows ({want:.6f}, computed by the grader in one "
                          f"process, within {TOLERANCE:.0e}), with 2 and with 3 processes.")
 

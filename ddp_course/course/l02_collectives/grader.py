@@ -54,13 +54,19 @@ def _wrong_values(n: int, rows: list[dict], size: dict) -> str:
     head = (f"with {n} processes and a message of {s} elements, rank {bad_rank}'s result differs from "
             f"dist.all_reduce by up to {x['max_err']:.3g} (chunks right: {good[bad_rank] or 'none'} of 0..{n - 1}).")
     n_nonempty = min(n, s)
-    if all(len(g) == 1 for r, g in good.items()) and n_nonempty == n:
-        return (head + " Every rank holds exactly one fully summed chunk -- that is where the reduce-scatter phase "
-                       "ends. The all-gather phase is missing, or it does not write what it receives into x.")
+    # Chunks cut with s // n leave the last s % n elements out of the ring: only sizes that do not
+    # divide by n go wrong, and on every rank alike -- checked first, since it too can leave each rank
+    # one right chunk (the same one on every rank, where a missing all-gather leaves a different one).
     divisible = [y["size"] for y in rows[0]["results"] if y["size"] % n == 0]
     if all(y["values_ok"] for y in rows[0]["results"] if y["size"] in divisible) and s % n:
-        return (head + f" Sizes that divide by {n} are right and this one ({s}) is not: cut the chunks with "
-                       "x.tensor_split(n), which allows lengths that differ by one (and empty chunks).")
+        return (head + f" Sizes that divide by {n} are right and this one ({s}) is not: the last {s % n} "
+                       f"element(s) never went round the ring. Cut the chunks with x.tensor_split(n), which "
+                       "allows lengths that differ by one (and empty chunks), not with a length of size // n.")
+    distinct = len({tuple(g) for g in good.values()}) == len(good)
+    if all(len(g) == 1 for r, g in good.items()) and n_nonempty == n and distinct:
+        return (head + " Every rank holds exactly one fully summed chunk, a different one on each rank -- that is "
+                       "where the reduce-scatter phase ends. The all-gather phase is missing, or it does not "
+                       "write what it receives into x.")
     return (head + " Check the indices: in reduce-scatter, the chunk a rank adds into at step s is the one its "
                    "left-hand neighbour sent at step s; in all-gather, a rank passes on the chunk it has just "
                    "completed. Work the indices out by hand for n = 3.")

@@ -177,9 +177,17 @@ def _shard_problem(error: dict) -> str:
 
 
 def _gradient_problem(ranks: dict[int, dict], ref: dict) -> str | None:
-    missing = sorted({n for r in ranks.values() for n, g in r["grads"].items() if g["norm"] is None})
-    if missing:
-        return (f"the parameter(s) {missing[:4]} got no gradient: compute with the module's own parameters "
+    missing = {rank: sorted(n for n, g in r["grads"].items() if g["norm"] is None) for rank, r in ranks.items()}
+    some = sorted({n for names in missing.values() for n in names} - set.intersection(*map(set, missing.values())))
+    if some:  # used on some ranks only: e.g. proj's bias added inside `if rank == 0:`
+        without = sorted(rank for rank, names in missing.items() if some[0] in names)
+        return (f"the parameter(s) {some[:4]} got a gradient on some ranks but none on rank(s) {without}: "
+                "those ranks never used them. Every rank holds proj.bias whole and must use it the same way: add "
+                "it once, after g, on every rank (not inside `if rank == 0:`, which gives the same forward but "
+                "leaves the other ranks' copy untrained).")
+    everywhere = sorted({n for names in missing.values() for n in names})
+    if everywhere:
+        return (f"the parameter(s) {everywhere[:4]} got no gradient: compute with the module's own parameters "
                 "(self.fc, self.proj), not with copies of them.")
     bad = {rank: [n for n, g in r["grads"].items() if not _close(g["norm"], ref["norms"][rank][n])]
            for rank, r in ranks.items()}
