@@ -3,9 +3,11 @@ saying which one it is.
 
 Every wrong attempt is the answered solution with one function body replaced (two for the
 all-reduce moved after backward: the hook stops launching and finish_reduction starts), run for
-real on 2 ranks. The mistakes the grader reads from the bucket layout alone (forward order, one
-bucket per parameter) and the synchronous all-reduce are checked on the solution's own records,
-changed the way those mistakes change them: no job needed.
+real on 2 ranks; so is a correct answer spelled otherwise (the collectives imported by name, the
+handles waited on through their futures), which must pass. The mistakes the grader reads from the
+bucket layout alone (forward order, one bucket per parameter), the synchronous all-reduce and the
+handle waited on inside backward are checked on the solution's own records, changed the way those
+mistakes change them: no job needed.
 """
 
 from __future__ import annotations
@@ -22,11 +24,16 @@ from ddp_course.course.l05_inside_ddp import grader
 NAME = "05_my_ddp.py"
 
 
-def attempt(tmp_path, replacements: dict[str, str]):
-    """The answered exercise with each named function's body replaced."""
+def attempt(tmp_path, replacements: dict[str, str], imports: str = ""):
+    """The answered exercise with each named function's body replaced (and ``imports``, top-level
+    lines, added below the file's own imports, where a learner's extra imports go)."""
     source = answered_exercise(NAME)
     for function, body in replacements.items():
         source = replace_function_body(source, function, body)
+    if imports:
+        anchor = "\nimport torch.distributed as dist\n"
+        assert anchor in source
+        source = source.replace(anchor, anchor + imports, 1)
     path = tmp_path / f"05_{'_'.join(replacements)}.py"
     path.write_text(source, encoding="utf-8")
     return path
@@ -78,14 +85,49 @@ MISTAKES = {
         ("2.00 times torch's", "divided by the world size")),
     "no_sync ignored": ({"no_sync": "    yield\n"}, ("during the backward under no_sync()", "stop all communication")),
     "no initial broadcast": ({"broadcast_parameters": "    pass\n"}, ("rank(s) [1]", "dist.broadcast from rank 0")),
+    # launched asynchronously from the hook, then waited on right there: backward stops at every
+    # bucket until it has crossed the network, so nothing overlaps (a synchronous all-reduce, spelled async)
+    "waited on in the hook": ({
+        "on_grad_ready": "    if not ddp.require_sync:\n"
+                         "        return\n"
+                         "    bucket.ready += 1\n"
+                         "    if bucket.ready == len(bucket.params):\n"
+                         "        bucket.flat = torch.cat([p.grad.reshape(-1) for p in bucket.params])\n"
+                         "        bucket.work = dist.all_reduce(bucket.flat, async_op=True)\n"
+                         "        bucket.work.wait()\n"},
+        ("waited on inside backward", "in the hook", "finish_reduction")),
+}
+
+# name -> ({function: new body}, top-level imports): correct answers spelled otherwise, which must pass
+RESPELLED = {
+    # the collectives imported by name before the harness starts (no `dist.` in the answer), and each
+    # bucket waited on through its work's future
+    "names imported from torch.distributed": ({
+        "broadcast_parameters": "    with torch.no_grad():\n"
+                                "        for p in module.parameters():\n"
+                                "            broadcast(p, 0)\n",
+        "on_grad_ready": "    if ddp.require_sync:\n"
+                         "        bucket.ready += 1\n"
+                         "        if bucket.ready == len(bucket.params):\n"
+                         "            bucket.flat = torch.cat([p.grad.flatten() for p in bucket.params])\n"
+                         "            bucket.work = all_reduce(bucket.flat, async_op=True)\n",
+        "finish_reduction": "    for bucket in ddp.buckets:\n"
+                            "        bucket.work.get_future().wait()\n"
+                            "        grads = bucket.flat.div_(ddp.world_size).split([p.numel() for p in bucket.params])\n"
+                            "        for p, g in zip(bucket.params, grads):\n"
+                            "            p.grad.copy_(g.view_as(p))\n"
+                            "        bucket.ready, bucket.flat, bucket.work = 0, None, None\n"},
+        "from torch.distributed import all_reduce, broadcast\n"),
 }
 
 
 @pytest.fixture(scope="module")
 def verdicts(tmp_path_factory) -> dict:
-    """{mistake: the grader's verdict on the attempt with that mistake}, graded two at a time."""
+    """{mistake or respelled answer: the grader's verdict on that attempt}, graded two at a time."""
     attempts = {m: attempt(tmp_path_factory.mktemp("attempt"), replacements)
                 for m, (replacements, _) in MISTAKES.items()}
+    attempts |= {m: attempt(tmp_path_factory.mktemp("respelled"), replacements, imports)
+                 for m, (replacements, imports) in RESPELLED.items()}
     return grade_in_pairs(lambda path: grader.grade(path, timeout=180), attempts)
 
 
@@ -96,6 +138,18 @@ def test_classic_mistake_is_rejected_and_named(mistake, verdicts):
     verdict = verdicts[mistake]
     assert not verdict.ok
     assert all(p in verdict.message for p in phrases), verdict.message
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("answer", list(RESPELLED))
+def test_correct_answer_spelled_otherwise_passes(answer, verdicts):
+    verdict = verdicts[answer]
+    assert verdict.ok, verdict.message
+    calls = [c for r in verdict.records for s in r["steps"] for c in s["calls"]]
+    assert calls and all(c["phase"] == "backward" and c["async"] for c in calls)
+    # each work waited on (through its future) in finish_reduction, once backward had returned
+    assert all(c["waited"] == {"phase": "after backward", "ready": r["n_grads"]}
+               for r in verdict.records for s in r["steps"] for c in s["calls"])
 
 
 def _changed(records: list[dict], change) -> list[dict]:
@@ -138,6 +192,20 @@ def test_layout_and_blocking_mistakes_are_named_from_the_records(solution):
                 c["ready"] = r["n_grads"]
     verdict = grader.diagnose(_changed(solution.records, at_the_end))
     assert not verdict.ok and "ITS last gradient" in verdict.message, verdict.message
+
+    def waited(when):  # every bucket's handle first waited on at when(record, call)
+        def change(r):
+            for s in r["steps"]:
+                for c in s["calls"]:
+                    c["waited"] = when(r, c)
+        return change
+    # in its own hook, right after the launch: backward stops for the network at every bucket
+    verdict = grader.diagnose(_changed(solution.records, waited(lambda r, c: {"phase": "backward", "ready": c["ready"]})))
+    assert not verdict.ok and "waited on inside backward" in verdict.message, verdict.message
+    # at the very end of backward, every gradient final (where torch's DDP waits), or never seen: no overlap lost
+    for when in (lambda r, c: {"phase": "backward", "ready": r["n_grads"]}, lambda r, c: None):
+        verdict = grader.diagnose(_changed(solution.records, waited(when)))
+        assert verdict.ok, verdict.message
     assert "async_op=True" in grader._hint("AttributeError: 'NoneType' object has no attribute 'wait'")
 
 

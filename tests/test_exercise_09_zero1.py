@@ -2,8 +2,10 @@
 mistake, saying which one it is; the memory calculator's ``zero1`` rows match what the job measured.
 
 Every wrong attempt is the answered solution with ONE function body replaced (what a learner would
-have written there), run for real on 2 ranks. Further mistakes are checked on the solution's own
-RESULT rows, altered the way those mistakes alter them (no job).
+have written there), run for real on 2 ranks -- except a ``partition`` that is right on those 2 ranks
+only, which the grader rejects before any job, having called it on other world sizes in its own
+process. Further mistakes are checked on the solution's own RESULT rows, altered the way those
+mistakes alter them, and on partitions called in this process (no job).
 """
 
 from __future__ import annotations
@@ -40,6 +42,14 @@ def test_solution_passes_and_holds_half_of_adamw(solution):
     assert all(p["params"] == predicted[0]["params"] and p["grads"] == p["params"] for p in predicted)  # replicated
 
 
+DROPS_THE_REMAINDER = ("    order = sorted(range(len(sizes)), key=lambda i: -sizes[i])\n"
+                       "    shards = [[] for _ in range(world_size)]\n"
+                       "    for row in range(len(sizes) // world_size):\n"
+                       "        ranks = range(world_size) if row % 2 == 0 else reversed(range(world_size))\n"
+                       "        for k, r in enumerate(ranks):\n"
+                       "            shards[r].append(order[row * world_size + k])\n"
+                       "    return shards\n")
+
 MISTAKES = {
     # (a) no sharding: every rank's AdamW over every parameter -- DDP's memory, and the same training
     "full optimizer on every rank": ("shard_optimizer", "    return torch.optim.AdamW(params, lr=LR)\n",
@@ -62,6 +72,10 @@ MISTAKES = {
                                " <= (r + 1) * share]\n"
                                "            for r in range(world_size)]\n",
                                ("stepped on no rank", "blocks.0.mlp.proj.weight", "exactly one rank")),
+    # (e) the parameters, largest first, dealt out in rows of world_size (snaking), the last incomplete
+    # row dropped: MiniGPT's 28 tensors fill every row on the job's 2 ranks; on 3, ln_f.bias has no owner
+    "a partition that drops the remainder": ("partition", DROPS_THE_REMAINDER,
+                                             ("without an owner", "on 3 ranks", "ln_f.bias", "exactly one rank")),
 }
 
 
@@ -107,6 +121,74 @@ def test_diagnosis_names_the_other_mistakes_without_a_job(solution):
     # the updates broadcast from the wrong rank: identical everywhere, but not DDP's
     stale = _rows(records, r0={"max_abs_diff_vs_ddp": 4e-3}, r1={"max_abs_diff_vs_ddp": 4e-3})
     assert "from the rank that stepped it" in grader.diagnose(stale, **refs).message
+
+
+def _contiguous(sizes: list[int], world_size: int) -> list[list[int]]:
+    """Runs of consecutive parameters, cut where the running size crosses each 1/N of the total."""
+    total, start, shards = sum(sizes), 0, [[] for _ in range(world_size)]
+    for i, size in enumerate(sizes):
+        shards[min(world_size - 1, start * world_size // total)].append(i)
+        start += size
+    return shards
+
+
+def _in_order(sizes: list[int], world_size: int) -> tuple:
+    """Greedy without sorting, as tuples of sets: each parameter, in order, to the least loaded rank."""
+    shards, owned = [set() for _ in range(world_size)], [0] * world_size
+    for i, size in enumerate(sizes):
+        r = owned.index(min(owned))
+        shards[r].add(i)
+        owned[r] += size
+    return tuple(shards)
+
+
+def _defined(body: str):
+    """``partition`` with ``body``, as a learner's file would define it."""
+    scope: dict = {}
+    exec("def partition(sizes, world_size):\n" + body, scope)
+    return scope["partition"]
+
+
+GREEDY_FOR_TWO = ("    shards, owned = [[], []], [0, 0]\n"
+                  "    for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):\n"
+                  "        r = owned.index(min(owned))\n"
+                  "        shards[r].append(i)\n"
+                  "        owned[r] += sizes[i]\n"
+                  "    return shards\n")
+
+
+def test_partition_is_checked_on_other_world_sizes_without_a_job():
+    from ddp_course.course.l06_grad_accumulation.no_sync_lab import tiny_model
+
+    shape = {"block_size": 32, "n_layer": 2, "n_head": 2, "n_embd": 32}  # the exercise's SHAPE
+    named = [(n, p.numel()) for n, p in tiny_model(0, **shape).named_parameters()]
+    names, sizes = [n for n, _ in named], [s for _, s in named]
+    # every correct partition passes, however it balances and whatever sequences it returns
+    for correct in (memory.zero1_partition, _contiguous, _in_order):
+        assert grader.partition_problem(correct, sizes, names) is None, correct.__name__
+    # each mistake below keeps the contract on the job's own case (2 ranks, MiniGPT's 28 tensors) and breaks it elsewhere
+    problem = grader.partition_problem(_defined(DROPS_THE_REMAINDER), sizes, names)
+    assert all(p in problem for p in ("without an owner", "on 3 ranks", "ln_f.bias", "28 = 9 x 3 + 1")), problem
+    problem = grader.partition_problem(_defined(GREEDY_FOR_TWO), sizes, names)  # world_size ignored
+    assert "returns 2 shards" in problem and "on 1 rank" in problem, problem
+    everywhere = DROPS_THE_REMAINDER.replace("    return shards\n", "    for i in order[len(sizes) // world_size * world_size:]:\n"
+                                                                     "        for shard in shards:\n"
+                                                                     "            shard.append(i)\n"
+                                                                     "    return shards\n")
+    problem = grader.partition_problem(_defined(everywhere), sizes, names)  # the remainder on every rank
+    assert "more than one rank" in problem and "ln_f.bias" in problem and "on 3 ranks" in problem, problem
+    problem = grader.partition_problem(_defined("    if world_size != 2:\n"
+                                                "        raise ValueError('two ranks only')\n" + GREEDY_FOR_TWO),
+                                       sizes, names)
+    assert "raised ValueError: two ranks only" in problem and ", 1)" in problem, problem
+    pairs = ("    shards, owned = [[] for _ in range(world_size)], [0] * world_size\n"
+             "    for k in range(0, len(sizes), 2):  # two parameters at a time: fine while there is an even number\n"
+             "        r = owned.index(min(owned))\n"
+             "        shards[r] += [k, k + 1]\n"
+             "        owned[r] += sum(sizes[k:k + 2])\n"
+             "    return shards\n")
+    problem = grader.partition_problem(_defined(pairs), sizes, names)
+    assert "not the index of a parameter" in problem and "[7, 5, 3, 3, 1]" in problem, problem
 
 
 def test_calculator_zero1_shards_only_the_optimizer():

@@ -29,10 +29,10 @@ Run it (from the repository root):
 
 The part below your functions trains your ``MyDDP`` and ``torch.nn.parallel.DistributedDataParallel``
 side by side (the same initial weights, the same batches on each rank, one micro-batch under
-``no_sync`` then one synced per optimizer step), logs every ``dist.all_reduce`` your code issues and
-when (in backward or after it, under ``no_sync`` or not), counts the bytes both send, times a step of
-each, and prints PASS or FAIL on every rank and one ``RESULT {json}`` line per rank. The grader runs
-it the same way and says what is wrong:
+``no_sync`` then one synced per optimizer step), logs every all-reduce your code issues and when (in
+backward or after it, under ``no_sync`` or not) and when your code waits on it, counts the bytes both
+send, times a step of each, and prints PASS or FAIL on every rank and one ``RESULT {json}`` line per
+rank. The grader runs it the same way and says what is wrong:
 
     python -m ddp_course check 05 lessons/exercises/05_my_ddp.py
 """
@@ -145,11 +145,18 @@ class MyDDP(torch.nn.Module):
 # the harness: trains MyDDP beside torch's DDP and records what your code did (do not edit below)
 
 class AllReduceLog:
-    """Every ``dist.all_reduce`` issued while ``phase`` is set: when, how big, and how far backward was.
+    """Every all-reduce issued while ``phase`` is set: when, how big, how far backward was, and when
+    its handle was first waited on.
 
-    ``dist.all_reduce`` is replaced by a wrapper that notes each call before making it. ``ready``
-    counts the gradients already final in the current backward (a post-accumulate-grad hook of the
-    log's own, registered before MyDDP's, so at a call from a hook it includes that hook's parameter).
+    The log watches the method that ``dist.all_reduce`` ends in, whatever name the code calls it by
+    (``dist.all_reduce``, a name imported from ``torch.distributed``, the group's own ``allreduce``):
+    ``ProcessGroup.allreduce`` (and ``allreduce_coalesced``), wrapped while the log is open to note
+    each call and keep its handle. ``ready`` counts the gradients already final in the current
+    backward (a post-accumulate-grad hook of the log's own, registered before MyDDP's, so at a call
+    from a hook it includes that hook's parameter). ``waited`` is the phase and ``ready`` at the first
+    ``wait`` on the handle, or on the future it gives (``get_future``); None if never waited on that
+    way. A wait is noted as ``.wait`` is looked up, so that no frame of the log is on the stack while
+    a rank waits.
     """
 
     def __init__(self, model: torch.nn.Module):
@@ -159,27 +166,68 @@ class AllReduceLog:
         self.calls: list[dict] = []
         self.n_grads = len(list(model.parameters()))
         self._handles = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in model.parameters()]
-        self._all_reduce = dist.all_reduce
-        dist.all_reduce = self._logged
+        self._handled: dict[int, tuple] = {}  # id(work or future) -> (it, its call); kept, so no other takes the id
+        self._real = {(cls, name): cls.__dict__[name] for cls, name in (
+            (dist.ProcessGroup, "allreduce"), (dist.ProcessGroup, "allreduce_coalesced"),
+            (dist.Work, "get_future"), (dist.Work, "wait"), (torch._C.Future, "wait"))}
+        for name in ("allreduce", "allreduce_coalesced"):
+            setattr(dist.ProcessGroup, name, self._logged(self._real[(dist.ProcessGroup, name)]))
+        dist.Work.get_future = self._noted_future(self._real[(dist.Work, "get_future")])
+        dist.Work.wait = _NotedWait(self, self._real[(dist.Work, "wait")])
+        torch._C.Future.wait = _NotedWait(self, self._real[(torch._C.Future, "wait")])
 
     def _grad_ready(self, param) -> None:
         self.ready += 1
 
-    def _logged(self, tensor, *args, **kwargs):
-        if self.phase is not None:
-            async_op = kwargs.get("async_op", args[2] if len(args) > 2 else False)
-            self.calls.append({"step": self.step, "phase": self.phase, "bytes": tensor.numel() * tensor.element_size(),
-                               "async": bool(async_op), "ready": self.ready})
-        return self._all_reduce(tensor, *args, **kwargs)
+    def _logged(self, real):
+        def logged(group, tensors, *args, **kwargs):
+            work = real.__get__(group)(tensors, *args, **kwargs)
+            if self.phase is not None:
+                opts = next((a for a in (*args, *kwargs.values()) if hasattr(a, "asyncOp")), None)
+                tensors = [tensors] if isinstance(tensors, torch.Tensor) else tensors
+                call = {"step": self.step, "phase": self.phase, "bytes": sum(t.numel() * t.element_size() for t in tensors),
+                        "async": opts is None or bool(opts.asyncOp), "ready": self.ready, "waited": None}
+                self.calls.append(call)
+                self._handled[id(work)] = (work, call)
+            return work
+        return logged
+
+    def _noted_future(self, real):
+        def get_future(work):
+            future = real.__get__(work)()
+            if id(work) in self._handled:  # waiting on the future is waiting on the work
+                self._handled[id(future)] = (future, self._handled[id(work)][1])
+            return future
+        return get_future
+
+    def waited(self, handle) -> None:
+        _, call = self._handled.get(id(handle), (None, None))
+        if call is not None and call["waited"] is None:
+            call["waited"] = {"phase": self.phase, "ready": self.ready}
 
     def start_backward(self, phase: str) -> None:
         self.phase, self.ready = phase, 0
 
     def close(self) -> None:
-        """Stop logging: the hooks removed, ``dist.all_reduce`` itself again (the timed steps run without them)."""
+        """Stop logging: the hooks removed, torch's methods themselves again (the timed steps run without them)."""
         for handle in self._handles:
             handle.remove()
-        dist.all_reduce = self._all_reduce
+        for (cls, name), real in self._real.items():
+            setattr(cls, name, real)
+        self._handled.clear()
+
+
+class _NotedWait:
+    """``wait`` of a handle, as the log sees it: looking it up notes the wait, and gives torch's own
+    method, bound, which the caller then calls."""
+
+    def __init__(self, log: AllReduceLog, real):
+        self.log, self.real = log, real
+
+    def __get__(self, handle, owner=None):
+        if handle is not None:
+            self.log.waited(handle)
+        return self.real.__get__(handle, owner)
 
 
 def accumulate(model, batches, calls: AllReduceLog | None = None) -> None:
@@ -254,10 +302,14 @@ def main() -> None:
                 step_ms[name].append(time_steps(lambda m=m, opt=opt: train_step(m, opt), TIMING_STEPS) * 1e3)
 
         synced = [[c for c in s["calls"] if c["phase"] != "no_sync backward"] for s in steps]
+        # waited on while backward still had gradients to compute: backward stopped for the network
+        early = sum(c["waited"] is not None and c["waited"]["phase"] == "backward" and c["waited"]["ready"] < calls.n_grads
+                    for s in steps for c in s["calls"])
         ok = (steps[-1]["param_diff"] <= PARAM_ATOL and all(len(c) == len(mine.buckets) for c in synced)
-              and all(c["phase"] == "backward" for s in steps for c in s["calls"]))
+              and all(c["phase"] == "backward" for s in steps for c in s["calls"]) and not early)
         log(f"{len(mine.buckets)} bucket(s); all-reduces per step in no_sync backward / backward / after backward: "
-            f"{[[sum(c['phase'] == ph for c in s['calls']) for ph in ('no_sync backward', 'backward', 'after backward')] for s in steps]}; "
+            f"{[[sum(c['phase'] == ph for c in s['calls']) for ph in ('no_sync backward', 'backward', 'after backward')] for s in steps]}"
+            f"{f', {early} waited on inside backward' if early else ''}; "
             f"max |param - DDP param| after {STEPS} steps {steps[-1]['param_diff']:.1e} -> {'PASS' if ok else 'FAIL'}",
             all_ranks=True)
         sys.stdout.write("RESULT " + json.dumps({

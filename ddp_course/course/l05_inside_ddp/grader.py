@@ -3,18 +3,20 @@
 The script runs for real with torchrun on 2 processes. Its harness trains the learner's ``MyDDP``
 beside ``torch.nn.parallel.DistributedDataParallel`` (same initial weights, same batches, one
 micro-batch under ``no_sync`` then one synced per optimizer step) and reports, per rank: the bucket
-layout the learner built, every ``dist.all_reduce`` the learner's code issued (in which phase: the
-``no_sync`` backward, the synced backward, or after it; asynchronous or not; how many gradients
-were final at that moment), the gradients and weights against torch's DDP, the bytes both sent and
-their step times.
+layout the learner built, every all-reduce the learner's code issued, whatever name it called it by
+(seen where ``dist.all_reduce`` reaches the process group: in which phase, the ``no_sync`` backward,
+the synced backward, or after it; asynchronous or not; how many gradients were final at that
+moment; and when its handle was first waited on), the gradients and weights against torch's DDP,
+the bytes both sent and their step times.
 
 The grader computes its own expectations: the bucket layout from MiniGPT's parameter sizes and the
 cap (a model it builds itself, bucketed here with the rule the exercise states), and torch's DDP as
 the reference of the weights. It checks, in the order in which one mistake would hide the next:
 the replicas start equal (rank 0's weights broadcast), the layout (reverse order, the cap), no
 all-reduce under ``no_sync``, every all-reduce launched from the hooks during backward,
-asynchronously, the first while backward still had gradients to compute, one per bucket per step,
-and the weights equal to torch's DDP within ``PARAM_ATOL``. Each failure names the mistake.
+asynchronously and not waited on before backward has computed every gradient, the first while
+backward still had gradients to compute, one per bucket per step, and the weights equal to torch's
+DDP within ``PARAM_ATOL``. Each failure names the mistake.
 
 The verdict carries the RESULT records of the run (``verdict.records``): the notebook puts the
 learner's DDP beside torch's from the same job (``comparison``).
@@ -117,6 +119,16 @@ def _layout_problem(built: list[list[str]], params: list[tuple[str, int]], cap_b
             f"within {cap}).")
 
 
+def _waited_in_backward(call: dict, n_grads: int) -> bool:
+    """True for an all-reduce whose handle was waited on while backward still had gradients to compute.
+
+    A wait once every gradient is final (the last bucket's, or one in a callback at the very end of
+    backward, where torch's DDP waits) holds nothing up; one before that stops backward for the network.
+    """
+    waited = call.get("waited")
+    return waited is not None and waited["phase"] == "backward" and waited["ready"] < n_grads
+
+
 def _calls_problem(found: list[dict], n_buckets: int, model_bytes: int) -> str | None:
     """What is wrong with the all-reduces the learner's code issued, or None."""
     r = found[0]
@@ -138,6 +150,16 @@ def _calls_problem(found: list[dict], n_buckets: int, model_bytes: int) -> str |
         return (f"{blocking} all-reduce(s) were synchronous (async_op=False): backward stops in the hook until the "
                 "bucket has crossed the network, so nothing overlaps. Pass async_op=True, keep the handle in "
                 "bucket.work and wait on it in finish_reduction.")
+    n_grads = r["n_grads"]
+    early = [[c for c in s["calls"] if _waited_in_backward(c, n_grads)] for s in steps]
+    if any(early):
+        first = next(c for cs in early for c in cs)
+        return (f"{[len(cs) for cs in early]} all-reduce(s) per step were waited on inside backward, in the hook, "
+                f"while backward still had gradients to compute (the first with {first['waited']['ready']} of "
+                f"{n_grads} gradients final): each was launched asynchronously and then waited on at once, so "
+                "backward stops at every bucket until it has crossed the network, and nothing overlaps -- a "
+                "synchronous all-reduce in all but name. Keep the handle in bucket.work and wait on it in "
+                "finish_reduction, which runs once backward has returned (as finish_gradient_sync).")
     counts = [len(s["calls"]) for s in steps]
     if any(c != n_buckets for c in counts):
         return (f"you built {n_buckets} buckets but your code issued {counts} all-reduces in the synced backward "
@@ -147,7 +169,6 @@ def _calls_problem(found: list[dict], n_buckets: int, model_bytes: int) -> str |
     if any(b != model_bytes for b in sent):
         return (f"your all-reduces carried {sent} bytes per step; the gradients are {model_bytes:,} bytes: each "
                 "bucket's all-reduce carries exactly its parameters' gradients, flattened.")
-    n_grads = r["n_grads"]
     if steps and steps[0]["calls"] and all(c["ready"] == n_grads for s in steps for c in s["calls"]):
         return (f"every all-reduce was launched when all {n_grads} gradients were already final (at the end of "
                 "backward), so none overlaps backward's computation. Launch a bucket when ITS last gradient is ready, "

@@ -1,9 +1,12 @@
 """Grader of exercise 09's second part (``lessons/exercises/09_zero1.py``): ZeRO-1 built by hand.
 
-Runs the script with torchrun on 2 processes. Every rank reports which parameters its optimizer
-steps, the bytes of that optimizer's state and of a plain AdamW's (DDP's, on the same rank), the
-norm of each gradient it stepped with at the first step, and, after a few steps side by side with
-DDP + AdamW, its largest parameter difference from DDP, from rank 0, and every parameter's norm.
+First, in its own process, it calls the learner's ``partition`` on other world sizes than the job's
+and on another list of sizes (``partition_problem``: every parameter in exactly one rank's shard,
+whether or not their number divides by the world size). Then it runs the script with torchrun on 2
+processes. Every rank reports which parameters its optimizer steps, the bytes of that optimizer's
+state and of a plain AdamW's (DDP's, on the same rank), the norm of each gradient it stepped with at
+the first step, and, after a few steps side by side with DDP + AdamW, its largest parameter
+difference from DDP, from rank 0, and every parameter's norm.
 The grader checks, against references of its own:
 
 - the partition: every parameter is stepped on exactly one rank (not on every rank: that is no
@@ -204,6 +207,143 @@ def diagnose(found: list[dict], reference: dict, norms: dict[str, float], unshar
                          "reference.")
 
 
+# ``partition`` is a pure function, and the job calls it on 2 ranks only, where MiniGPT's 28 tensors
+# divide evenly: a rule that works only then (rows of world_size, the last one dropped) passes there
+# and leaves a parameter without an owner on 3 ranks. So before the job the grader also calls the
+# learner's own ``partition`` in this process (the script imported as a module; its ``main`` does not
+# run) on other world sizes and another list of sizes, and checks the exercise's contract as the
+# harness relies on it: one shard per rank (rank r owns shards[r]), every parameter in exactly one of
+# them, and each rank's share "about sum(sizes) / world_size", read as loosely as whole parameters
+# allow: no rank above it by more than the largest parameter (a greedy by size stays within (N-1)/N
+# of it, runs of consecutive parameters cut by running size within 1x). How a correct partition
+# balances is otherwise its own business: the job measures the memory on its 2 ranks. A partition
+# already wrong on the job's own case is left to the job, which shows what it does.
+PARTITION_WORLD_SIZES = (1, 3, 4, 5, 8)  # the exercise's model on these (28 tensors: 1, 3 or 4 left over)
+PARTITION_OTHER = ([7, 5, 3, 3, 1], (2, 3))  # and an odd number of parameters, on 2 and 3 ranks
+PARTITION_DEADLINE_S = 10.0  # for all the calls together; the course's partition takes microseconds
+OWNERLESS = "without an owner"
+
+
+def _load_script(path: str | Path):
+    """The learner's script as a module (its ``main`` does not run: it is guarded by ``__name__``)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("exercise_09_zero1", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _contract_problem(shards, sizes: list[int], world_size: int, names: list[str] | None) -> str | None:
+    """What ``shards``, returned by ``partition(sizes, world_size)``, does against the exercise's
+    contract, as the rest of a sentence ("partition(...) returns 2 shards for 3 ranks"); None when nothing.
+    A parameter without an owner is said with OWNERLESS."""
+    import operator
+
+    def named(indices: list[int]) -> str:
+        return _names([f"{names[i]} (index {i})" if names else f"index {i}" for i in indices], 3)
+
+    try:
+        given = [[operator.index(i) for i in shard] for shard in shards]
+    except TypeError as exc:
+        return f"returns {shards!r:.80}, which is not one list of parameter indices per rank ({exc})"
+    ranks = f"{world_size} rank{'s' if world_size > 1 else ''}"
+    if len(given) < world_size:
+        return (f"returns {len(given)} shard(s) for {ranks}: shards[{len(given)}] does not exist, and the harness "
+                "looks up shards[rank] on every rank. Return one list per rank")
+    extra = [i for shard in given[world_size:] for i in shard]
+    if extra:
+        return (f"returns {len(given)} shards for {ranks}: {named(extra)} in shards[{world_size}:] would belong to "
+                "ranks that do not exist, and never train. Return one list per rank")
+    bad = sorted({i for shard in given for i in shard if not 0 <= i < len(sizes)})
+    if bad:
+        return (f"holds {_names([str(i) for i in bad], 3)}, which {'is' if len(bad) == 1 else 'are'} not the index "
+                f"of a parameter (0..{len(sizes) - 1})")
+    owners = {i: [r for r, shard in enumerate(given) for j in shard if j == i] for i in range(len(sizes))}
+    none = [i for i, rs in owners.items() if not rs]
+    if none:
+        n, left = len(sizes), len(sizes) % world_size
+        why = f" ({n} = {n // world_size} x {world_size} + {left}: what happens to the {left} left over?)" if left else ""
+        return (f"gives {named(none)} to no rank: {'it is' if len(none) == 1 else 'they are'} in no shard, left "
+                f"{OWNERLESS}, and would never train{why}")
+    twice = [i for i, rs in owners.items() if len(rs) > 1]
+    if twice:
+        return (f"gives {named(twice)} to more than one rank (ranks {owners[twice[0]]}"
+                f"{' for the first' if len(twice) > 1 else ''}): each would keep its AdamW state and step it")
+    share, largest = sum(sizes) / world_size, max(sizes)
+    owned = [sum(sizes[i] for i in shard) for shard in given]
+    worst = max(range(world_size), key=lambda r: owned[r])
+    if owned[worst] > share + largest:
+        return (f"gives rank {worst} {owned[worst]:,} of the {sum(sizes):,} elements, more than an even share "
+                f"({share:,.0f}) plus the largest parameter ({largest:,}) allow: that rank would hold most of the "
+                "optimizer state. Balance the shares by size")
+    return None
+
+
+def partition_problem(partition, sizes: list[int], names: list[str]) -> str | None:
+    """What the learner's ``partition`` does wrong away from the job's case, as a verdict's message, or None.
+
+    ``sizes`` and ``names``: the exercise's model's parameters. ``partition`` is called on them with
+    every world size of ``PARTITION_WORLD_SIZES``, and on ``PARTITION_OTHER``'s sizes, after the job's
+    own case (the model on ``NPROC`` ranks): None when the contract holds on every case, or when it
+    already fails on the job's own case (the job then shows what the partition does). The calls run in
+    a thread, within ``PARTITION_DEADLINE_S`` for all of them.
+    """
+    import threading
+
+    cases = [(sizes, names, NPROC), *((sizes, names, n) for n in PARTITION_WORLD_SIZES),
+             *((PARTITION_OTHER[0], None, n) for n in PARTITION_OTHER[1])]
+    at: list[int] = [0]  # the case being called
+    found: list[str] = []
+
+    def call_all() -> None:
+        for k, (case_sizes, case_names, n) in enumerate(cases):
+            at[0] = k
+            try:
+                problem = _contract_problem(partition(list(case_sizes), n), case_sizes, n, case_names)
+            except Exception as exc:  # noqa: BLE001 -- the learner's code: any error is part of the verdict
+                said = str(exc).strip().splitlines()
+                problem = f"raised {type(exc).__name__}" + (f": {said[0][:200]}" if said else "")
+            if problem:
+                found.append(problem)
+                return
+
+    thread = threading.Thread(target=call_all, name="partition check", daemon=True)
+    thread.start()
+    thread.join(PARTITION_DEADLINE_S)
+    k = at[0]
+    if k == 0 or not (found or thread.is_alive()):
+        return None
+    case_sizes, case_names, n = cases[k]
+    problem = found[0] if found else f"did not return within {PARTITION_DEADLINE_S:.0f}s"
+    what = f"sizes of the exercise's {len(case_sizes)} parameters" if case_names else str(list(case_sizes))
+    ranks = f"{n} rank{'s' if n > 1 else ''}"
+    if OWNERLESS not in problem:
+        lead = f"your partition breaks the exercise's contract on another world size than the job's {NPROC}"
+    elif len(case_sizes) % n:
+        lead = "your partition leaves parameters without an owner when their number does not divide by the world size"
+    else:
+        lead = "your partition leaves parameters without an owner"
+    return (f"{lead}: on {ranks}, partition({what}, {n}) {problem}. The job runs {NPROC} ranks with the exercise's "
+            f"{len(sizes)} parameters, where this does not show; partition must give every parameter to exactly "
+            "one rank, in one shard per rank, for any world size and any number of parameters. Fix partition, "
+            "then run the check again.")
+
+
+def learner_partition_problem(path: str | Path) -> str | None:
+    """``partition_problem`` of the ``partition`` in the script at ``path``, on the exercise's model
+    (None also when the script cannot be read or imported here: the job then shows why)."""
+    from ddp_course.course.l06_grad_accumulation.no_sync_lab import tiny_model
+
+    try:
+        constants = harness_constants(path)
+        partition = _load_script(path).partition
+        named = list(tiny_model(constants["SEED"], **constants["SHAPE"]).named_parameters())
+    except Exception:  # noqa: BLE001 -- e.g. an import error or a syntax error: the job reports it, with its line
+        return None
+    return partition_problem(partition, [p.numel() for _, p in named], [n for n, _ in named])
+
+
 def collect(path: str | Path, timeout: float = 180) -> list[dict] | Verdict:
     """Run the script on 2 ranks: its RESULT lines, or a failing verdict saying why there are none."""
     return run_exercise(path, NPROC, "a function of the exercise", timeout, hint=_hint)
@@ -226,11 +366,15 @@ def references(path: str | Path) -> dict:
 
 
 def grade(path: str | Path, timeout: float = 180) -> GradedRun:
-    """Run the script on 2 ranks, then compare with the grader's own references.
+    """Check the learner's ``partition`` on other world sizes in this process (``learner_partition_problem``),
+    then run the script on 2 ranks and compare with the grader's own references.
 
     The verdict carries the job's RESULT rows (``verdict.records``, one per rank; empty when the job
     gave none): the notebook shows what the job measured without launching it again.
     """
+    problem = learner_partition_problem(path)  # in this process, before any job
+    if problem:
+        return GradedRun(False, problem)
     found = collect(path, timeout)
     if isinstance(found, Verdict):
         return GradedRun(found.ok, found.message)
