@@ -56,6 +56,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.path.suffix == ".ipynb":
             item.add_marker(pytest.mark.slow)
+    # A test that needs a GPU says so with a marker too, so that `-m cuda` / `-m multigpu` runs every one
+    unmarked = [item.nodeid for item in items
+                if any("CUDA GPU" in str(m.kwargs.get("reason", "")) and "needs" in str(m.kwargs.get("reason", ""))
+                       for m in item.iter_markers("skipif"))
+                and not any(item.iter_markers("cuda")) and not any(item.iter_markers("multigpu"))]
+    if unmarked:
+        raise pytest.UsageError("tests that skip without a CUDA GPU but carry no cuda/multigpu marker: "
+                                + ", ".join(unmarked[:5]))
 
 
 @pytest.fixture

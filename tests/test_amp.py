@@ -16,7 +16,9 @@ from ddp_course.model import GPTConfig, MiniGPT
 from ddp_course.train import make_scaler, train_step
 
 LOW = {"bf16": torch.bfloat16, "fp16": torch.float16}
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def needs_cuda(test):
+    """Marked ``cuda`` (``-m cuda`` selects it) and skipped with a reason where there is no CUDA GPU."""
+    return pytest.mark.cuda(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")(test))
 
 
 def tiny_model(seed: int = 0, device: str | torch.device = "cpu") -> MiniGPT:

@@ -21,7 +21,9 @@ from ddp_course.model import MiniGPT
 from ddp_course.parallel import dp
 
 N_GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
-needs_2_gpus = pytest.mark.skipif(N_GPUS < 2, reason="needs 2 CUDA GPUs")
+def needs_2_gpus(test):
+    """Marked ``multigpu`` (``-m multigpu`` selects it) and skipped with a reason below 2 CUDA GPUs."""
+    return pytest.mark.multigpu(pytest.mark.skipif(N_GPUS < 2, reason="needs 2 CUDA GPUs")(test))
 without_2_gpus = pytest.mark.skipif(N_GPUS >= 2, reason="checks the refusal on a machine with fewer than 2 CUDA GPUs")
 
 

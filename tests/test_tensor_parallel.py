@@ -95,4 +95,4 @@ def test_head_parallel_attention_on_reordered_shards_is_the_attention():
 def test_bad_options_are_refused_before_any_process_group(capsys):
     assert tp_lab.main(["--n_head=3"]) == 2  # 64 channels do not split into 3 heads
     assert tp_lab.main(["--heads=2"]) == 2
-    assert "--n_head" in capsys.readouterr().out
+    assert "--n_head" in capsys.readouterr().err
