@@ -160,3 +160,44 @@ def test_package_top_level_holds_only_the_expected_modules():
         "ddp_course/course/lNN_<topic>/ (shared figures in course/plots.py); a new core module is added to "
         "CORE in tests/test_architecture.py.")
     assert TOP_LEVEL - found == set(), f"missing from ddp_course/: {sorted(TOP_LEVEL - found)}"
+
+
+# --- lessons in order ------------------------------------------------------------------------------------
+# A lesson's modules (and its exercise scripts) import the core, the harnesses, the helpers several lessons
+# share (ddp_course/course/*.py: plots, noise, tiny, options) and earlier lessons only: never a later one,
+# which a learner meets after.
+
+LESSON_RE = __import__("re").compile(r"^ddp_course\.course\.l(\d\d)_")
+
+
+def later_lesson_imports(source: str, path: Path, lesson: int) -> list[str]:
+    """``line N: module`` for each import in ``source`` of a lesson numbered after ``lesson``."""
+    found = []
+    for line, name in imported_names(source, path):
+        m = LESSON_RE.match(name)
+        if m and int(m.group(1)) > lesson:
+            found.append(f"line {line}: {name}")
+    return found
+
+
+def lesson_files() -> list[tuple[Path, int]]:
+    files = [(p, int(p.relative_to(PACKAGE / "course").parts[0][1:3]))
+             for p in sorted((PACKAGE / "course").glob("l[0-9][0-9]_*/**/*.py"))]
+    files += [(p, int(p.name[:2])) for p in sorted((ROOT / "solutions" / "exercises").glob("[0-9][0-9]_*.py"))]
+    return files
+
+
+def test_a_lesson_imports_no_later_lesson():
+    bad = {f"{p.relative_to(ROOT)} (lesson {n:02d})": later
+           for p, n in lesson_files() if (later := later_lesson_imports(p.read_text(encoding="utf-8"), p, n))}
+    assert not bad, ("a lesson imports a later one; move what both need to ddp_course/course/ (as tiny.py, "
+                     f"plots.py, noise.py): {bad}")
+
+
+def test_the_order_check_finds_a_backward_import():
+    grader = PACKAGE / "course" / "l05_inside_ddp" / "grader.py"
+    backward = "def f():\n    from ddp_course.course.l06_grad_accumulation.no_sync_lab import tiny_model\n"
+    assert later_lesson_imports(backward, grader, 5) == ["line 2: ddp_course.course.l06_grad_accumulation.no_sync_lab",
+                                                         "line 2: ddp_course.course.l06_grad_accumulation.no_sync_lab.tiny_model"]
+    assert later_lesson_imports("from ddp_course.course.l02_collectives import bench_allreduce", grader, 5) == []
+    assert later_lesson_imports("from ddp_course.course import tiny", grader, 5) == []

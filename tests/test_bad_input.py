@@ -169,13 +169,15 @@ def test_check_launch_refuses_an_uneven_global_batch_before_any_process_group(mo
 
 
 @pytest.mark.timeout(120)
-def test_torchrun_refusal_is_one_line_and_every_rank_exits_2(tmp_path):
+def test_torchrun_refusal_is_one_line_and_no_rank_crashes(tmp_path):
     """What torchrun prints around it cannot be removed from a worker (see ``ddp_course.train.cli``)."""
     proc = torchrun("ddp_course.train", 2, ["--strategy=single", *TINY_ARGS, f"--out_dir={tmp_path}"],
                     timeout=120, check=False)
     errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error: ")]
     assert len(errors) == 1 and "--strategy=single runs in one process" in errors[0], proc.stderr
-    assert proc.stderr.count("exitcode  : 2") == 2, proc.stderr  # every rank refused, none crashed
+    # every rank refuses with 2, but torchrun stops the others (SIGTERM) as soon as the first one exits,
+    # so a rank may show -15 instead: what must never show is a crash (exit code 1)
+    assert proc.stderr.count("exitcode  : 2") >= 1 and "exitcode  : 1 " not in proc.stderr, proc.stderr
     assert proc.stderr.count("Traceback") <= 1, proc.stderr  # only torchrun's own (ChildFailedError), no rank's
     assert proc.returncode == 1  # torchrun's exit code for any failed worker
 

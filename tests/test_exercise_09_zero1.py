@@ -52,7 +52,7 @@ DROPS_THE_REMAINDER = ("    order = sorted(range(len(sizes)), key=lambda i: -siz
 
 MISTAKES = {
     # (a) no sharding: every rank's AdamW over every parameter -- DDP's memory, and the same training
-    "full optimizer on every rank": ("shard_optimizer", "    return torch.optim.AdamW(params, lr=LR)\n",
+    "full optimizer on every rank": ("shard_optimizer", "    return optimizer_class(params, **{'lr': LR, **defaults})\n",
                                      ("every rank's optimizer steps all 28 parameters", "2.0x", "shards[rank]")),
     # (b) the owners step, nobody shares: each rank keeps its own parameters updated, the others at init
     "no broadcast of the updates": ("share_updates", "    pass\n",
@@ -158,7 +158,7 @@ GREEDY_FOR_TWO = ("    shards, owned = [[], []], [0, 0]\n"
 
 
 def test_partition_is_checked_on_other_world_sizes_without_a_job():
-    from ddp_course.course.l06_grad_accumulation.no_sync_lab import tiny_model
+    from ddp_course.course.tiny import tiny_model
 
     shape = {"block_size": 32, "n_layer": 2, "n_head": 2, "n_embd": 32}  # the exercise's SHAPE
     named = [(n, p.numel()) for n, p in tiny_model(0, **shape).named_parameters()]
@@ -203,3 +203,26 @@ def test_calculator_zero1_shards_only_the_optimizer():
         assert fsdp[r["rank"]]["states"] < r["states"] < ddp["states"]
     assert sorted(i for s in memory.zero1_partition([5, 3, 3, 1], 2) for i in s) == [0, 1, 2, 3]
     assert memory.zero1_partition([5, 3, 3, 1], 2) == [[0, 3], [1, 2]]  # 5 + 1 against 3 + 3
+
+
+def test_shard_optimizer_takes_another_optimizer_class_and_refuses_parameter_groups(tmp_path):
+    """A drop-in for ZeroRedundancyOptimizer's arguments: the grader calls the learner's shard_optimizer
+    with SGD and its options before any job; an answer that always builds AdamW is named."""
+    import torch
+
+    from ddp_course.course.l09_fsdp import grader_zero1
+
+    solution = tmp_path / "solution" / NAME
+    solution.parent.mkdir()
+    solution.write_text(answered_exercise(NAME))
+    assert grader_zero1.learner_optimizer_problem(solution) is None
+    always_adamw = exercise_attempt(tmp_path, NAME, "shard_optimizer",
+                                    "    return torch.optim.AdamW([params[i] for i in shards[rank]], lr=LR)\n")
+    problem = grader_zero1.learner_optimizer_problem(always_adamw)
+    assert problem and "returned an optimizer of class AdamW" in problem and "optimizer_class" in problem, problem
+    ignores_options = exercise_attempt(tmp_path, NAME, "shard_optimizer",
+                                       "    return optimizer_class([params[i] for i in shards[rank]], lr=LR)\n")
+    assert "pass the caller's keyword arguments" in grader_zero1.learner_optimizer_problem(ignores_options)
+    script = grader_zero1._load_script(solution)
+    with pytest.raises(TypeError, match="not parameter groups"):
+        script.shard_optimizer([{"params": [torch.nn.Parameter(torch.zeros(2))]}], [[0]], 0)

@@ -13,7 +13,7 @@ import torch
 from harness import at_once
 
 from ddp_course import check
-from ddp_course.course.l06_grad_accumulation.no_sync_lab import tiny_model
+from ddp_course.course.tiny import tiny_model
 
 
 def test_seeded_models_are_the_same_in_threads_as_alone():

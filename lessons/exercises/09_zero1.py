@@ -7,7 +7,9 @@ gradients stay replicated; the optimizer state is split N ways. Complete the fou
 
 - ``partition``: which parameters each rank owns -- whole parameters, each on exactly one rank,
   the ranks' shares balanced by size;
-- ``shard_optimizer``: this rank's AdamW, over the parameters it owns and no others;
+- ``shard_optimizer``: this rank's optimizer (AdamW unless the caller names another class and its
+  keyword arguments, as ``torch.distributed.optim.ZeroRedundancyOptimizer`` takes them), over the
+  parameters it owns and no others;
 - ``average_gradients``: after backward, leave on each parameter's owner the gradient averaged over
   the ranks (the gradient DDP would leave);
 - ``share_updates``: after the owners' steps, every rank receives each parameter from its owner.
@@ -34,7 +36,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ddp_course.course.l06_grad_accumulation.no_sync_lab import micro_batch, tiny_model
+from ddp_course.course.tiny import micro_batch, tiny_model
 from ddp_course.dist import all_reduce_mean, log, setup
 
 SHAPE = {"block_size": 32, "n_layer": 2, "n_head": 2, "n_embd": 32}
@@ -59,9 +61,26 @@ def partition(sizes: list[int], world_size: int) -> list[list[int]]:
     raise NotImplementedError("exercise: complete this part")
 
 
-def shard_optimizer(params: list[nn.Parameter], shards: list[list[int]], rank: int) -> torch.optim.Optimizer:
-    """This rank's optimizer: ``torch.optim.AdamW`` (learning rate ``LR``) over the parameters it owns only."""
-    # TODO: an AdamW with learning rate LR over the parameters of this rank's shard, and no others
+def parameters_only(build):
+    """Refuse parameter groups (dicts) with a clear message before ``build`` sees them: each parameter gets
+    one owner, and one set of options applies to all of them (part of the harness: keep it)."""
+    def checked(params, *args, **kwargs):
+        if any(isinstance(p, dict) for p in params):
+            raise TypeError("shard_optimizer takes a list of parameters, not parameter groups (dicts): each "
+                            "parameter gets one owner, and one set of options applies to all of them. Pass "
+                            "list(model.parameters()), and the options as keyword arguments.")
+        return build(params, *args, **kwargs)
+    return checked
+
+
+@parameters_only
+def shard_optimizer(params: list[nn.Parameter], shards: list[list[int]], rank: int,
+                    optimizer_class: type[torch.optim.Optimizer] = torch.optim.AdamW,
+                    **defaults) -> torch.optim.Optimizer:
+    """This rank's optimizer over the parameters it owns only: ``optimizer_class`` (default AdamW) with
+    ``defaults`` as its keyword arguments (the learning rate ``LR`` unless they give ``lr``), as
+    ``ZeroRedundancyOptimizer(params, optimizer_class, **defaults)`` builds it."""
+    # TODO: an optimizer_class over the parameters of this rank's shard, and no others, built with defaults (lr=LR unless they say otherwise)
     raise NotImplementedError("exercise: complete this part")
 
 

@@ -48,7 +48,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddp_course.course.l05_inside_ddp.ddp_common import CollectiveCounter, time_steps
-from ddp_course.course.l06_grad_accumulation.no_sync_lab import micro_batch, tiny_model
+from ddp_course.course.tiny import micro_batch, tiny_model
 from ddp_course.dist import log, setup
 
 SEED = 0  # rank r initialises its model with SEED + r: only a broadcast makes the replicas equal

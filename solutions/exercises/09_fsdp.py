@@ -27,8 +27,8 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from ddp_course.course.tiny import micro_batch, tiny_model
 from ddp_course.dist import all_reduce_mean, log, setup
-from ddp_course.course.l06_grad_accumulation.no_sync_lab import micro_batch, tiny_model
 from ddp_course.model import MiniGPT
 
 SHAPE = {"block_size": 32, "n_layer": 2, "n_head": 2, "n_embd": 32}

@@ -41,8 +41,8 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ddp_course.course.l06_grad_accumulation.no_sync_lab import micro_batch
 from ddp_course.course.l11_beyond_data_parallel.tp_lab import biased_model, hidden_block
+from ddp_course.course.tiny import micro_batch
 from ddp_course.dist import log, setup
 from ddp_course.model import MLP
 

@@ -68,7 +68,7 @@ def expected_buckets(names_sizes: list[tuple[str, int]], cap_bytes: int) -> list
 
 def model_parameters() -> list[tuple[str, int]]:
     """(name, bytes) of the exercise's MiniGPT parameters, in ``parameters()`` order (a tied weight once)."""
-    from ddp_course.course.l06_grad_accumulation.no_sync_lab import tiny_model
+    from ddp_course.course.tiny import tiny_model
 
     model = tiny_model(SEED, **SHAPE)
     return [(n, p.numel() * p.element_size()) for n, p in model.named_parameters()]

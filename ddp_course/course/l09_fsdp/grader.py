@@ -49,7 +49,7 @@ def reference_norms(constants: dict, world_size: int = NPROC) -> dict[str, float
     """Train the exercise's model in this process on every rank's batch at once; the parameters' norms."""
     import torch
 
-    from ddp_course.course.l06_grad_accumulation.no_sync_lab import micro_batch, tiny_model
+    from ddp_course.course.tiny import micro_batch, tiny_model
 
     shape, mbs, steps, lr, seed = (constants[k] for k in ("SHAPE", "MICRO_BATCH_SIZE", "STEPS", "LR", "SEED"))
     model = tiny_model(seed, **shape)

@@ -53,8 +53,8 @@ def state_slack(numels: list[int], world_size: int = NPROC) -> float:
 def state_budget(constants: dict) -> tuple[int, float]:
     """A plain AdamW's state bytes for the exercise's model (the lesson's calculator, ``memory.predict``)
     and the slack whole parameters allow a rank's 1/N of it (``state_slack`` of the model's tensors)."""
-    from ddp_course.course.l06_grad_accumulation.no_sync_lab import VOCAB
     from ddp_course.course.l09_fsdp import memory
+    from ddp_course.course.tiny import VOCAB
 
     shape = {"vocab_size": VOCAB, **constants["SHAPE"]}
     numels = [t.numel for t in memory.parameter_table(shape)]
@@ -64,7 +64,7 @@ def state_budget(constants: dict) -> tuple[int, float]:
 def reference_gradients(constants: dict, world_size: int = NPROC) -> dict[str, dict[str, float]]:
     """Norms of the first step's gradients, computed in this process: ``global`` (the mean loss over
     every rank's batch, what averaging must give) and, per rank, that rank's own batch alone."""
-    from ddp_course.course.l06_grad_accumulation.no_sync_lab import micro_batch, reference_gradient, tiny_model
+    from ddp_course.course.tiny import micro_batch, reference_gradient, tiny_model
 
     shape, mbs, seed = constants["SHAPE"], constants["MICRO_BATCH_SIZE"], constants["SEED"]
     model = tiny_model(seed, **shape)
@@ -333,7 +333,7 @@ def partition_problem(partition, sizes: list[int], names: list[str]) -> str | No
 def learner_partition_problem(path: str | Path) -> str | None:
     """``partition_problem`` of the ``partition`` in the script at ``path``, on the exercise's model
     (None also when the script cannot be read or imported here: the job then shows why)."""
-    from ddp_course.course.l06_grad_accumulation.no_sync_lab import tiny_model
+    from ddp_course.course.tiny import tiny_model
 
     try:
         constants = harness_constants(path)
@@ -365,6 +365,42 @@ def references(path: str | Path) -> dict:
             "unsharded": unsharded, "slack": slack, "lr": constants["LR"]}
 
 
+def optimizer_problem(shard_optimizer, params: list, shards: list[list[int]], lr: float) -> str | None:
+    """What the learner's ``shard_optimizer`` does wrong with the arguments ``ZeroRedundancyOptimizer``
+    users pass (another optimizer class and its keyword arguments), as a verdict's message; or None.
+    The default (AdamW with the exercise's LR) is the job's case, checked there."""
+    import torch
+
+    try:
+        opt = shard_optimizer(params, shards, 0, torch.optim.SGD, lr=0.5, momentum=0.9)
+    except Exception as exc:  # noqa: BLE001 -- the learner's error, reported
+        return (f"shard_optimizer(params, shards, 0, torch.optim.SGD, lr=0.5, momentum=0.9) raised "
+                f"{type(exc).__name__}: {exc}. It must accept an optimizer class and its keyword arguments.")
+    if not isinstance(opt, torch.optim.SGD):
+        return (f"shard_optimizer(params, shards, 0, torch.optim.SGD, lr=0.5, momentum=0.9) returned an "
+                f"optimizer of class {type(opt).__name__}: build optimizer_class, the class the caller names (AdamW is only the default).")
+    group = opt.param_groups[0] if opt.param_groups else {}
+    if group.get("lr") != 0.5 or group.get("momentum") != 0.9:
+        return ("shard_optimizer(params, shards, 0, torch.optim.SGD, lr=0.5, momentum=0.9) built an SGD with "
+                f"lr={group.get('lr')}, momentum={group.get('momentum')}: pass the caller's keyword arguments "
+                f"(defaults) to the optimizer, with lr={lr:g} only when they give none.")
+    return None  # which parameters it gets: the job measures that, and names the mistake from its numbers
+
+
+def learner_optimizer_problem(path: str | Path) -> str | None:
+    """``optimizer_problem`` of the ``shard_optimizer`` in the script at ``path`` (None also when the
+    script cannot be imported here: the job then shows why)."""
+    import torch
+
+    try:
+        script = _load_script(path)
+        params = [torch.nn.Parameter(torch.zeros(n)) for n in (6, 4, 3, 2)]
+        shards = [[0, 3], [1, 2]]
+        return optimizer_problem(script.shard_optimizer, params, shards, harness_constants(path)["LR"])
+    except Exception:  # noqa: BLE001
+        return None
+
+
 def grade(path: str | Path, timeout: float = 180) -> GradedRun:
     """Check the learner's ``partition`` on other world sizes in this process (``learner_partition_problem``),
     then run the script on 2 ranks and compare with the grader's own references.
@@ -372,7 +408,7 @@ def grade(path: str | Path, timeout: float = 180) -> GradedRun:
     The verdict carries the job's RESULT rows (``verdict.records``, one per rank; empty when the job
     gave none): the notebook shows what the job measured without launching it again.
     """
-    problem = learner_partition_problem(path)  # in this process, before any job
+    problem = learner_partition_problem(path) or learner_optimizer_problem(path)  # in this process, before any job
     if problem:
         return GradedRun(False, problem)
     found = collect(path, timeout)

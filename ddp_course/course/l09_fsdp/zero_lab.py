@@ -28,9 +28,9 @@ import torch
 import torch.distributed as dist
 
 from ddp_course.cli import FlagError, command, parse_flags
-from ddp_course.course.l06_grad_accumulation.no_sync_lab import VOCAB, micro_batch, tiny_model
 from ddp_course.course.l09_fsdp import memory
 from ddp_course.course.options import require_device
+from ddp_course.course.tiny import VOCAB, micro_batch, tiny_model
 from ddp_course.dist import log, setup
 from ddp_course.metrics import write_json
 from ddp_course.paths import show

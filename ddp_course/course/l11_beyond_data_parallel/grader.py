@@ -58,8 +58,8 @@ def harness_constants(path: str | Path) -> dict:
 
 
 def _setup(constants: dict):
-    from ddp_course.course.l06_grad_accumulation.no_sync_lab import micro_batch
     from ddp_course.course.l11_beyond_data_parallel.tp_lab import biased_model
+    from ddp_course.course.tiny import micro_batch
 
     shape, batch, seed = constants["SHAPE"], constants["BATCH"], constants["SEED"]
 

@@ -43,8 +43,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ddp_course.cli import FlagError, command, parse_flags
-from ddp_course.course.l06_grad_accumulation.no_sync_lab import tiny_model
 from ddp_course.course.options import require_device
+from ddp_course.course.tiny import tiny_model
 from ddp_course.dist import log, setup
 from ddp_course.metrics import write_json
 from ddp_course.model import CausalSelfAttention, GPTConfig, MiniGPT

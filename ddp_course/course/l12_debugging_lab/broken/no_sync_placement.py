@@ -31,8 +31,8 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddp_course.cli import command
-from ddp_course.course.l06_grad_accumulation.no_sync_lab import AllReduceCounter
 from ddp_course.course.l12_debugging_lab.broken._common import Record, cpu_setup, flags, tiny_model, token_batch
+from ddp_course.course.tiny import AllReduceCounter
 from ddp_course.dist import log
 
 PROG = "torchrun --standalone --nproc_per_node=2 -m ddp_course.course.l12_debugging_lab.broken.no_sync_placement"
