@@ -79,8 +79,8 @@ class Run:
 
     def hang(self, focus: str | os.PathLike | None = None) -> str | None:
         """Where each rank was when a job that ran past its timeout was stopped; None without stacks."""
-        return postmortem.describe_hang(postmortem.stacks(self.postmortem, Path(focus) if focus else None),
-                                        self.nproc, Path(focus) if focus else None)
+        focus_ = Path(focus) if focus else None
+        return postmortem.describe_hang(postmortem.stacks(self.postmortem, focus_), self.nproc, focus_)
 
     @property
     def metrics(self) -> list[dict]:
@@ -145,19 +145,22 @@ def _target(module: str) -> list[str]:
     return [str(Path(module).resolve())] if is_script(module) else ["-m", module]
 
 
-def _job_processes(job_id: str) -> list[int]:
-    """PIDs of live processes whose environment carries this job's id (Linux /proc; psutil elsewhere)."""
+def _job_processes(job_id: str, ranks_only: bool = False) -> list[int]:
+    """PIDs of live processes whose environment carries this job's id (Linux /proc; psutil elsewhere);
+    with ``ranks_only``, only its ranks (torchrun's workers, whose environment names their rank)."""
     pids = []
     proc = Path("/proc")
+    rank_vars = ("RANK", postmortem.RANK_VAR)
     if proc.is_dir():
-        needle = f"{_JOB_VAR}={job_id}".encode()
+        needle, ranks = f"{_JOB_VAR}={job_id}".encode(), tuple(f"{v}=".encode() for v in rank_vars)
         for entry in proc.iterdir():
             if entry.name.isdigit():
                 try:
-                    if needle in (entry / "environ").read_bytes().split(b"\0"):
-                        pids.append(int(entry.name))
+                    env = (entry / "environ").read_bytes().split(b"\0")
                 except OSError:
-                    pass
+                    continue
+                if needle in env and (not ranks_only or any(v.startswith(ranks) for v in env)):
+                    pids.append(int(entry.name))
         return pids
     try:
         import psutil
@@ -165,7 +168,8 @@ def _job_processes(job_id: str) -> list[int]:
         return pids
     for p in psutil.process_iter(["pid"]):
         try:
-            if p.environ().get(_JOB_VAR) == job_id:
+            env = p.environ()
+            if env.get(_JOB_VAR) == job_id and (not ranks_only or any(v in env for v in rank_vars)):
                 pids.append(p.pid)
         except (psutil.Error, OSError):
             pass
@@ -406,7 +410,7 @@ def _timed_out(job: _Job, proc: subprocess.Popen, lines: queue.Queue[str | None]
     """Ask every rank where it is (a stack dump), stop the whole job; the error that says it ran past
     ``timeout`` seconds, with where each rank was (or, without stacks, the last lines of output)."""
     if job.postmortem is not None:
-        postmortem.ask_for_stacks(postmortem.job_pids_with_rank(_job_processes(job.job_id)), job.postmortem)
+        postmortem.ask_for_stacks(_job_processes(job.job_id, ranks_only=True), job.postmortem)
     stop_job(proc, job.job_id)
     _drain(lines, output, "none", None)
     run_ = job.result(proc.returncode, output, time.monotonic() - start)

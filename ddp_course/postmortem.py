@@ -22,7 +22,6 @@ import linecache
 import os
 import re
 import signal
-import sys
 import sysconfig
 import time
 from collections.abc import Iterable, Sequence
@@ -131,10 +130,21 @@ def _fatal(folder: Path | None) -> list[RankState]:
         if not threads or path.with_name(path.name.replace(".fatal", ".error.json")).exists():
             continue
         head = next((ln for ln in text.splitlines() if ln.startswith("Fatal Python error")), "Fatal Python error")
-        main = [t for t in threads if t[0].function == "<module>"] or threads
-        found.append(RankState(int(path.name[len("rank"):].split(".")[0]), "fatal", tuple(main[0]), head.strip(),
-                               text, str(path)))
+        found.append(RankState(_rank_of(path), "fatal", _main_thread(threads), head.strip(), text, str(path)))
     return found
+
+
+def _rank_of(path: Path) -> int:
+    """R of a file ``rank<R>.<kind>`` the start-up hook wrote."""
+    return int(path.name[len("rank"):].split(".")[0])
+
+
+def _main_thread(threads: list[list[Frame]], focus: Path | None = None) -> tuple[Frame, ...]:
+    """The thread that runs the program's ``<module>`` (one with a frame in ``focus``, or without a focus
+    in the course's or a script's files, first), else the first."""
+    main = [t for t in threads if t[0].function == "<module>"] or threads
+    inside = [t for t in main if any(_is_focus(f, focus) for f in t)]
+    return tuple((inside or main)[0])
 
 
 _THREAD = re.compile(r"^(Current thread|Thread) 0x[0-9a-f]+")
@@ -159,12 +169,8 @@ def stacks(folder: Path | None, focus: Path | None = None) -> list[RankState]:
     folder = last_attempt(folder)
     for path in sorted(Path(folder).glob("rank*.stack")) if folder else []:
         threads = _threads(path.read_text(encoding="utf-8", errors="replace"))
-        if not threads:
-            continue
-        main = [t for t in threads if t[0].function == "<module>"] or threads
-        inside = [t for t in main if any(_is_focus(f, focus) for f in t)]
-        rank = int(path.name[len("rank"):].split(".")[0])
-        found.append(RankState(rank, "stack", tuple((inside or main)[0]), path=str(path)))
+        if threads:
+            found.append(RankState(_rank_of(path), "stack", _main_thread(threads, focus), path=str(path)))
     return sorted(found, key=lambda s: s.rank)
 
 
@@ -211,15 +217,12 @@ def _is_focus(frame: Frame, focus: Path | None) -> bool:
 def _own(state: RankState, focus: Path | None) -> tuple[list[Frame], Frame | None]:
     """The state's frames in the learner's file, and the innermost frame beyond them (where torch or
     the library was when it raised or waited), if any."""
-    own = [f for f in state.frames if _is_focus(f, focus)]
-    beyond = None
-    if own:
-        last = max(i for i, f in enumerate(state.frames) if _is_focus(f, focus))
-        rest = state.frames[last + 1:]
-        beyond = rest[-1] if rest else None
-        named = [f for f in rest if f.function in COLLECTIVES]
-        beyond = named[0] if named else beyond
-    return own, beyond
+    mine = [i for i, f in enumerate(state.frames) if _is_focus(f, focus)]
+    if not mine:
+        return [], None
+    rest = state.frames[mine[-1] + 1:]
+    named = [f for f in rest if f.function in COLLECTIVES]
+    return [state.frames[i] for i in mine], named[0] if named else rest[-1] if rest else None
 
 
 def _module_of(frame: Frame) -> str:
@@ -291,7 +294,7 @@ def describe_failure(states: Sequence[RankState], nproc: int, focus: Path | None
 
 
 def _kept(path: Path, keep: Path | None, rank: int) -> Path:
-    """``path``, or its copy in ``keep`` (``<focus-or-job>.rank<R>.txt``) when a folder is given and writable."""
+    """``path``, or its copy in ``keep`` (``last_failure.rank<R>.txt``) when a folder is given and writable."""
     if keep is None:
         return path
     try:
@@ -362,19 +365,3 @@ def without_launcher(output: str) -> str:
     text = "\n".join(kept)
     return re.sub(r"\*{20,}\nSetting OMP_NUM_THREADS.*?\n\*{20,}\n?", "", text, flags=re.S)
 
-
-def job_pids_with_rank(pids: Iterable[int]) -> list[int]:
-    """Those of ``pids`` that are ranks carrying the start-up hook (their environment names a rank)."""
-    ranks = []
-    for pid in pids:
-        try:
-            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if any(v.startswith((b"RANK=", RANK_VAR.encode() + b"=")) for v in env):
-            ranks.append(pid)
-    return ranks
-
-
-if sys.platform == "win32":  # no SIGUSR1: a hang is reported without stacks
-    ask_for_stacks = lambda pids, folder, wait_s=3.0: None  # noqa: E731

@@ -15,6 +15,8 @@ counts restarts):
 
 import os
 
+_KEEP: list = []  # the files faulthandler writes to: open for as long as the process lives
+
 
 def _install() -> None:
     folder = os.environ.get("DDP_COURSE_POSTMORTEM")
@@ -40,7 +42,7 @@ def _install() -> None:
         faulthandler.enable(file=fatal, all_threads=True)
     except OSError:
         fatal = None
-    sys.modules[__name__].__dict__["_files"] = (stack, fatal)
+    _KEEP.extend((stack, fatal))
     if hasattr(signal, "SIGUSR1"):
         faulthandler.register(signal.SIGUSR1, file=stack, all_threads=True)
     previous = sys.excepthook

@@ -54,10 +54,11 @@ def disturbed(series: Mapping[str, Sequence[float]] | None = None, *, speedup: f
             reasons.append(f"the repeats of {name} span {max(xs) / min(xs):.1f}x, where repeats of the same work "
                            f"stay within {SPREAD_LIMIT:g}x")
     if speedup is not None and workers is not None:
-        bound = min(workers, cores if cores is not None else usable_cores())
+        cores = usable_cores() if cores is None else cores
+        bound = min(workers, cores)
         if speedup > bound * SPEEDUP_SLACK:
-            reasons.append(f"a {speedup:.2f}x speed-up from {workers} processes on "
-                           f"{cores if cores is not None else usable_cores()} cores, where at most {bound}x is possible")
+            reasons.append(f"a {speedup:.2f}x speed-up from {workers} processes on {cores} cores, where at most "
+                           f"{bound}x is possible")
     return f"{DISTURBED} ({'; '.join(reasons)})" if reasons else None
 
 

@@ -378,7 +378,8 @@ def optimizer_problem(shard_optimizer, params: list, shards: list[list[int]], lr
                 f"{type(exc).__name__}: {exc}. It must accept an optimizer class and its keyword arguments.")
     if not isinstance(opt, torch.optim.SGD):
         return (f"shard_optimizer(params, shards, 0, torch.optim.SGD, lr=0.5, momentum=0.9) returned an "
-                f"optimizer of class {type(opt).__name__}: build optimizer_class, the class the caller names (AdamW is only the default).")
+                f"optimizer of class {type(opt).__name__}: build optimizer_class, the class the caller names "
+                "(AdamW is only the default).")
     group = opt.param_groups[0] if opt.param_groups else {}
     if group.get("lr") != 0.5 or group.get("momentum") != 0.9:
         return ("shard_optimizer(params, shards, 0, torch.optim.SGD, lr=0.5, momentum=0.9) built an SGD with "
