@@ -53,6 +53,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from ddp_course import parallel
 from ddp_course.dist import DistInfo
 
 if TYPE_CHECKING:  # imported where used: torch.distributed.checkpoint is slow to import
@@ -255,9 +256,8 @@ def save(out_dir: str | os.PathLike, step: int, model: nn.Module, optimizer: tor
     the closing barrier. ``sharded``: every rank writes its part with DCP. Either way the checkpoint
     is committed by a rename and the ``latest`` pointer moves after it.
     """
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
     _check_format(fmt)
+    plan = parallel.strategy_of(model)
     d = ckpt_dir(out_dir)
     path = checkpoint_path(out_dir, step, fmt)
     meta = {"format": fmt, "step": int(step), "shape": dict(shape), "world_size": info.world_size,
@@ -265,7 +265,7 @@ def save(out_dir: str | os.PathLike, step: int, model: nn.Module, optimizer: tor
             "scaler": scaler.state_dict() if scaler is not None else None, "torch": str(torch.__version__)}
     rng = _gather_rng(info)  # every rank takes part; rank 0 receives the list
     if fmt == "full":
-        model_sd, optim_sd = get_state_dict(model, optimizer, options=_full_options())  # every rank (FSDP gathers)
+        model_sd, optim_sd = plan.state_dict(model, optimizer, _full_options())  # every rank (FSDP gathers)
         if info.is_main:
             d.mkdir(parents=True, exist_ok=True)
             _remove_leftovers(d)
@@ -280,7 +280,7 @@ def save(out_dir: str | os.PathLike, step: int, model: nn.Module, optimizer: tor
         if info.is_distributed:
             dist.barrier()  # nobody writes into the folder before rank 0 has cleared old leftovers
         tmp = path.with_name(path.name + ".tmp")
-        model_sd, optim_sd = get_state_dict(model, optimizer)
+        model_sd, optim_sd = plan.state_dict(model, optimizer)
         with warnings.catch_warnings():  # one process without a process group: DCP says so, we know
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=tmp,
@@ -371,11 +371,11 @@ def load(path: str | os.PathLike, device: torch.device | str = "cpu", shape: dic
 def restore(state: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer, scaler: Scaler | None,
             info: DistInfo | None = None, path: str | os.PathLike = "checkpoint") -> int:
     """Put a ``full`` checkpoint's states into the objects (every rank); returns the step to continue from."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
 
     try:
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
-                       options=StateDictOptions(full_state_dict=True))
+        parallel.strategy_of(model).load_state_dict(model, optimizer, state["model"], state["optimizer"],
+                                                    StateDictOptions(full_state_dict=True))
     except (RuntimeError, KeyError, ValueError) as exc:
         raise CheckpointError(f"{path} does not fit this model and optimizer ({_first_line(exc)}). "
                               "Resume with the same options it was saved with, or use a fresh --out_dir.") from None
@@ -487,18 +487,18 @@ def resume(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Opt
 
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     _check_sharded_files(path)
     meta = load(path, "cpu", shape)
-    model_sd, optim_sd = get_state_dict(model, optimizer)  # the structure DCP fills in place
+    plan = parallel.strategy_of(model)
+    model_sd, optim_sd = plan.state_dict(model, optimizer)  # the structure DCP fills in place
     state = {"model": model_sd, "optimizer": optim_sd}
     reader, planner = _safe_reader_and_planner(path)
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.load(state, storage_reader=reader, planner=planner, no_dist=not info.is_distributed)
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        plan.load_state_dict(model, optimizer, state["model"], state["optimizer"])
     except CheckpointException as exc:  # a BaseException in DCP: the failures of every rank
         first = next(iter(exc.failures.values()))[0] if exc.failures else exc
         raise CheckpointError(f"sharded checkpoint {path} cannot be loaded into this model "
@@ -561,7 +561,7 @@ def fingerprint(model: nn.Module, optimizer: torch.optim.Optimizer | None = None
     """
     import hashlib
 
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
 
     h = hashlib.sha256()
 
@@ -580,10 +580,16 @@ def fingerprint(model: nn.Module, optimizer: torch.optim.Optimizer | None = None
         else:
             h.update(repr(obj).encode())
 
-    full = StateDictOptions(full_state_dict=True)
-    feed(get_model_state_dict(model, options=full))
-    if optimizer is not None and optimizer.state:  # (an empty state would be initialised by the call)
-        feed(get_optimizer_state_dict(model, optimizer, options=full)["state"])
+    full = StateDictOptions(full_state_dict=True)  # whole tensors on every rank
+    plan = parallel.strategy_of(model)
+    if optimizer is None or not plan.has_state(optimizer):  # (an empty state would be initialised by the call)
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        feed(get_model_state_dict(model, options=full))
+    else:
+        model_sd, optim_sd = plan.state_dict(model, optimizer, full)
+        feed(model_sd)
+        feed(optim_sd["state"])
     return h.hexdigest()[:16]
 
 

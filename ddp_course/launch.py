@@ -27,14 +27,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ddp_course import postmortem
+from ddp_course import parallel, postmortem
 from ddp_course.config import ConfigError, from_dict, to_cli
 from ddp_course.dist import choose_device, cpu_count
 from ddp_course.metrics import read_jsonl, write_json
 from ddp_course.paths import shorten
 
 TRAIN_MODULE = "ddp_course.train"
-ONE_PROCESS = ("single", "dp")  # strategies that run in one process without a process group
 _JOB_VAR = "DDP_COURSE_JOB"  # every process of a job carries this id, so none can be left behind
 _RANK_PREFIX = re.compile(r"^\[rank ?(\d+)\]")
 RECORD = "launch.json"  # how a job ended, written into its folder: Run.load reads it back
@@ -264,7 +263,7 @@ def _validate_train(overrides: dict[str, Any], nproc: int) -> None:
     cfg = from_dict(overrides)
     cfg.resolve_batch(nproc)
     choose_device(cfg.device, nproc)
-    if cfg.strategy in ONE_PROCESS and nproc > 1:
+    if not parallel.get(cfg.strategy).needs_process_group and nproc > 1:
         raise ConfigError(f"strategy={cfg.strategy!r} runs in one process, but nproc={nproc}. "
                           "Use strategy='ddp' for several processes, or nproc=1.")
 
@@ -479,7 +478,7 @@ def run(module: str = TRAIN_MODULE, nproc: int = 2, *, out_dir: str | os.PathLik
     if is_train:
         _validate_train(overrides, nproc)
     if use_torchrun is None:
-        use_torchrun = nproc > 1 or overrides.get("strategy", "single") not in ONE_PROCESS
+        use_torchrun = nproc > 1 or parallel.get(str(overrides.get("strategy", "single"))).needs_process_group
     job = _job(module, nproc, overrides, out_path, use_torchrun, torchrun_args)
     full_env = _environment(nproc, job.job_id, torchrun_args, env)
     if job.postmortem is not None:

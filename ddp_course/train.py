@@ -36,7 +36,6 @@ from ddp_course.cli import HELP_FLAGS
 from ddp_course.config import ConfigError, TrainConfig, check_out_dir, help_text, parse_cli
 from ddp_course.data import Batch, CorpusError, Data, prepare, stream_batches, train_batches, val_batches
 from ddp_course.dist import DeviceError, DistInfo, all_reduce_mean, launched_by_torchrun, log, seed_everything, setup
-from ddp_course.launch import ONE_PROCESS
 from ddp_course.metrics import MetricsWriter, environment, mfu, peak_memory, reset_peak_memory, write_json
 from ddp_course.model import GPTConfig, MiniGPT
 from ddp_course.paths import show
@@ -53,18 +52,11 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.lr - cfg.min_lr)
 
 
-def build_optimizer(model: nn.Module, cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices only (not on biases, LayerNorm gains or position tables)."""
-    ndims = parallel.param_ndims(model)  # as the model defined them (FSDP1 shows flat 1-D shards)
-    decay, no_decay = [], []
-    for name, p in model.named_parameters():
-        if p.requires_grad:
-            (decay if ndims[name] >= 2 else no_decay).append(p)
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    # fused on CUDA: one kernel for the whole update. On CPU, PyTorch's default path (one tensor at a
-    # time) is kept, so CPU results stay comparable across the torch versions the course supports.
-    fused = device.type == "cuda"
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), fused=fused)
+def build_optimizer(model: nn.Module, cfg: TrainConfig, device: torch.device) -> torch.optim.Optimizer:
+    """The optimizer of the strategy that wrapped ``model`` (``ddp_course.parallel``): AdamW with weight
+    decay on matrices only (not on biases, LayerNorm gains or position tables), its state sharded where
+    the strategy shards it."""
+    return parallel.strategy_of(model).build_optimizer(model, cfg, device)
 
 
 def autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager:
@@ -195,8 +187,9 @@ def _build(cfg: TrainConfig, info: DistInfo) -> _Job:
     n_params, flops_per_token = model.num_params(), model.flops_per_token()
     if cfg.compile:
         model = torch.compile(model)
-    model = parallel.wrap(model, info, cfg)
-    n_devices = info.world_size * len(getattr(model, "device_ids", None) or [0])
+    strategy = parallel.get(cfg.strategy)
+    model = strategy.wrap(model, info, cfg)
+    n_devices = info.world_size * strategy.devices_per_rank(model)
     return _Job(cfg, info, data, model, build_optimizer(model, cfg, info.device), make_scaler(info.device, cfg.precision),
                 n_params, flops_per_token, n_devices)
 
@@ -449,12 +442,13 @@ def check_launch(cfg: TrainConfig) -> None:
     ``--out_dir`` (created here; every rank may write into it). Raises :class:`ConfigError`."""
     distributed = launched_by_torchrun()
     world_size = int(os.environ.get("WORLD_SIZE", 1)) if distributed else 1
-    if cfg.strategy not in ONE_PROCESS and not distributed:
+    needs_group = parallel.get(cfg.strategy).needs_process_group
+    if needs_group and not distributed:
         raise ConfigError(f"--strategy={cfg.strategy} needs a process group, and this process was not started by "
                           f"torchrun: launch with `torchrun --standalone --nproc_per_node=2 -m ddp_course.train "
                           f"--strategy={cfg.strategy}` (or `python -m ddp_course run --nproc=2 "
                           f"--strategy={cfg.strategy}`).")
-    if cfg.strategy in ONE_PROCESS and world_size > 1:
+    if not needs_group and world_size > 1:
         raise ConfigError(f"--strategy={cfg.strategy} runs in one process, but this job has {world_size} ranks: "
                           "every rank would train a model of its own. Use --strategy=ddp with torchrun, "
                           "or launch one process.")

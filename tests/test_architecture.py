@@ -201,3 +201,33 @@ def test_the_order_check_finds_a_backward_import():
                                                          "line 2: ddp_course.course.l06_grad_accumulation.no_sync_lab.tiny_model"]
     assert later_lesson_imports("from ddp_course.course.l02_collectives import bench_allreduce", grader, 5) == []
     assert later_lesson_imports("from ddp_course.course import tiny", grader, 5) == []
+
+
+# --- a strategy is its own module: nothing asks a model which wrapper it is ---------------------------------
+
+STRATEGY_USERS = ("train.py", "checkpoint.py", "launch.py", "parallel/__init__.py")
+MODEL_NAMES = {"model", "wrapped", "ddp", "module", "m"}
+
+
+def attribute_probes(source: str) -> list[str]:
+    """``line N: hasattr(model, ...)`` for each hasattr/getattr on a variable that holds a model."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("hasattr", "getattr")
+                and node.args and isinstance(node.args[0], ast.Name) and node.args[0].id in MODEL_NAMES):
+            found.append(f"line {node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_the_probe_scan_finds_a_strategy_decided_by_an_attribute():
+    assert attribute_probes("if hasattr(model, 'no_sync'):\n    pass\nn = len(getattr(model, 'device_ids', []))") == [
+        "line 1: hasattr(model, 'no_sync')", "line 3: getattr(model, 'device_ids', [])"]
+
+
+@pytest.mark.parametrize("where", STRATEGY_USERS)
+def test_no_strategy_behaviour_is_decided_by_probing_the_model(where):
+    """What differs between strategies (optimizer, no_sync, clipping, state dicts, process group, ...)
+    is each strategy's own hook in ``ddp_course/parallel/<name>.py`` (``parallel.Strategy``), so that a
+    new strategy is one new file; the loop, checkpoints and the launcher never probe a wrapped model."""
+    found = attribute_probes((PACKAGE / where).read_text())
+    assert not found, f"{where} decides by the model's attributes: {found}; give the strategy a hook instead."

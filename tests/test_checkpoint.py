@@ -399,3 +399,26 @@ def test_cuda_state_round_trip(tmp_path, fmt):
     checkpoint.resume(checkpoint.latest(tmp_path), model2, opt2, None, gpu, SHAPE)
     assert next(model2.parameters()).is_cuda and checkpoint.fingerprint(model2, opt2) == want
     assert torch.equal(torch.rand(4, device=gpu.device), draw)
+
+
+# --- ZeRO-1 (--strategy=zero1): the same job, resumed after the same crash, ends where DDP's ends --------
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("fmt", checkpoint.FORMATS)
+def test_zero1_restarted_job_equals_the_uninterrupted_ddp_one(runs, tmp_path, fmt):
+    """ZeRO-1 changes where AdamW's state lives, not the arithmetic: DDP's all-reduced gradients, then
+    AdamW's element-wise update of each tensor by its owner. So on the CPU no tolerance is needed: the
+    crashed and resumed ZeRO-1 job (its optimizer state gathered from both ranks into the checkpoint,
+    then dealt out again) must end bit for bit where the uninterrupted DDP job ends."""
+    ref = runs["reference"]
+    r = run(TRAIN, nproc=2, out_dir=tmp_path / "zero1", timeout=200, progress=False, echo="none",
+            torchrun_args=["--max-restarts=1"], env=RESTART_ENV, **CRASH, ckpt_format=fmt, **{**BASE, "strategy": "zero1"})
+    assert f"resumed from {show(checkpoint.checkpoint_path(r.out_dir, CKPT, fmt))} at step {CKPT}" in r.output
+    rows = [(x["step"], x["loss"], x["grad_norm"]) for x in r.train_rows]
+    assert rows == [(x["step"], x["loss"], x["grad_norm"]) for x in ref.train_rows]
+    final, ref_final = _final(r.out_dir), _final(ref.out_dir)
+    assert all(torch.equal(final[k], ref_final[k]) for k in ref_final)
+    if fmt == "full":  # the file holds every parameter's AdamW state, by name, equal to DDP's own checkpoint
+        mine, ddp = (checkpoint.load(checkpoint.checkpoint_path(d, CKPT, fmt))["optimizer"] for d in (r.out_dir, ref.out_dir))
+        assert mine["state"].keys() == ddp["state"].keys()
+        assert all(torch.equal(mine["state"][k][n], v) for k, s in ddp["state"].items() for n, v in s.items())

@@ -24,9 +24,9 @@ from ddp_course.launch import run
 
 # Lesson 09's two lab jobs, option for option: under `make test` the tests check the notebook's runs.
 LAB = {"n_layer": 2, "n_head": 4, "n_embd": 128, "block_size": 32, "micro_batch_size": 4, "device": "cpu"}
-LAB2 = {"steps": 6, "variants": "ddp,fsdp,fsdp_noreshard,fsdp_bf16,fsdp_ac,fsdp1,fsdp1_noreshard", "trace": True,
+LAB2 = {"steps": 6, "variants": "ddp,zero1,fsdp,fsdp_noreshard,fsdp_bf16,fsdp_ac,fsdp1,fsdp1_noreshard", "trace": True,
         "checkpoints": True, "fsdp1_hybrid_bug": True, **LAB}
-LAB4 = {"steps": 5, "variants": "ddp,fsdp,fsdp_noreshard,fsdp_hybrid,fsdp1,fsdp1_hybrid", "trace": True, **LAB}
+LAB4 = {"steps": 5, "variants": "ddp,zero1,fsdp,fsdp_noreshard,fsdp_hybrid,fsdp1,fsdp1_hybrid", "trace": True, **LAB}
 # fp32: FSDP and DDP add the same gradients in another order (reduce-scatter and a DTensor norm for
 # clipping vs DDP's all-reduce), which changes last bits, ~1e-7 of a gradient: the two trainings'
 # updates then differ by ~1e-5 of their size. A real bug (a missing average, an unsynchronised tensor)
@@ -72,6 +72,23 @@ def test_fsdp_fp32_matches_ddp(which, request):
         assert v["vs_ddp"]["update_rel_diff"] <= FP32_UPDATE_RTOL, (name, v["vs_ddp"])
         assert v["losses"] == pytest.approx(ddp, rel=1e-5), name  # same weights, same batches: last-bit differences
     assert lab["variants"]["ddp"]["losses"][-1] < lab["variants"]["ddp"]["losses"][0]  # it trained
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("which", ["lab2", "lab4"])
+def test_zero1_is_ddp_with_a_share_of_adamw_per_rank(which, request):
+    """--strategy=zero1 trains exactly as DDP (no tolerance: the same all-reduced gradients, AdamW's
+    element-wise update per tensor); each rank holds the AdamW state of the tensors it owns, to the byte
+    what the calculator's partition of the course's two parameter groups gives it, and together all of it."""
+    lab = request.getfixturevalue(which)
+    zero1, ddp = lab["variants"]["zero1"], lab["variants"]["ddp"]
+    assert zero1["vs_ddp"]["bitwise_equal"] and zero1["losses"] == ddp["losses"]
+    mine = [r["measured"]["optimizer"] for r in zero1["per_rank"]]
+    assert mine == [r["predicted"]["optimizer"] for r in zero1["per_rank"]]
+    assert sum(mine) == ddp["per_rank"][0]["measured"]["optimizer"]  # every tensor's state, on exactly one rank
+    assert max(mine) < ddp["per_rank"][0]["measured"]["optimizer"]
+    assert all(r["measured"]["params"] == d["measured"]["params"] and r["measured"]["grads"] == d["measured"]["grads"]
+               for r, d in zip(zero1["per_rank"], ddp["per_rank"]))
 
 
 @pytest.mark.timeout(300)

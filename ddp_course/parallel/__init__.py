@@ -1,100 +1,218 @@
-"""Parallelism techniques, one module each, all with the same interface::
+"""Parallelism techniques, one module each: a strategy is one file, and the whole plan of a run.
 
-    wrap(model: nn.Module, info: DistInfo, cfg: TrainConfig) -> nn.Module
+A module ``ddp_course/parallel/<name>.py`` is the strategy ``--strategy=<name>`` (``TrainConfig``
+lists this folder). It must define ``wrap(model, info, cfg) -> nn.Module``; the model arrives on its
+device, built identically on every rank (same seed). It may define any of the other decisions a
+strategy makes; what it leaves out takes the default written here, in :class:`Strategy`:
 
-The model arrives on its device, built identically on every rank (same seed). Adding a technique
-is adding one file here: ``TrainConfig`` lists the modules of this package as the valid strategies.
+=======================  ==========================================  =========================================
+name in the module       what it decides                             default
+=======================  ==========================================  =========================================
+``NEEDS_PROCESS_GROUP``  whether it needs torchrun and a process     ``True`` (``single`` and ``dp`` say
+                         group (checked before anything is built)    ``False``: one process)
+``build_optimizer``      ``(model, cfg, device) -> Optimizer``       :func:`adamw`: decay on matrices only
+``sync_context``         ``(model, sync) -> context``: a micro-step  a no-op context (nothing is synchronised
+                         that must not synchronise gradients          in backward)
+``clip_grad_norm_``      ``(model, max_norm) -> Tensor``: the global  ``torch.nn.utils.clip_grad_norm_``
+                         norm over every rank's gradients, clipped
+``unwrap``               ``(model) -> nn.Module``: the plain model    the model itself (``torch.compile``'s
+                         inside the wrapper                           wrapper removed)
+``gathered``             ``(model) -> nn.Module``: full parameters    :meth:`Strategy.unwrap`
+                         on rank 0, for sampling (a collective)
+``state_dict``           ``(model, optimizer, options) -> (model's,   ``torch.distributed.checkpoint``'s
+                         optimizer's)``: states keyed by parameter    ``get_state_dict``; ``options`` is its
+                         name, for checkpoints and fingerprints       ``StateDictOptions`` (or None)
+``load_state_dict``      ``(model, optimizer, model_sd, optim_sd,     ``set_state_dict``
+                         options) -> None``: put them back
+``has_state``            ``(optimizer) -> bool``: whether it holds    ``bool(optimizer.state)``
+                         state yet (before its first step it has
+                         none, and reading it would create it)
+``devices_per_rank``     ``(model) -> int``: devices one rank         1
+                         computes on (for MFU)
+=======================  ==========================================  =========================================
+
+Whoever holds a wrapped model finds its plan with :func:`strategy_of` (:meth:`Strategy.wrap`
+records it; a wrapper built by hand is recorded with :func:`record`): nothing asks the model which
+wrapper it is. A model nobody wrapped here gets the defaults, which are right for a plain model.
 """
 
 from __future__ import annotations
 
 import contextlib
 import importlib
-from collections.abc import Iterator
+import weakref
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn as nn
 
+if TYPE_CHECKING:  # imported where used: torch.distributed.checkpoint is slow to import
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
 from ddp_course.config import TrainConfig
 from ddp_course.dist import DistInfo
 
+_WRAPPED: weakref.WeakKeyDictionary[nn.Module, Strategy] = weakref.WeakKeyDictionary()
+
+
+def decay_groups(model: nn.Module, cfg: Any, ndims: dict[str, int] | None = None) -> list[dict[str, Any]]:
+    """AdamW's two parameter groups: weight decay on matrices (2-D or more), none on biases and gains.
+
+    ``ndims``: each parameter's number of dimensions by its name in ``model.named_parameters()``, when
+    the wrapper shows them otherwise than the model defined them (FSDP1's flat 1-D shards).
+    """
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            (decay if (ndims[name] if ndims is not None else p.dim()) >= 2 else no_decay).append(p)
+    return [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def adamw_options(cfg: Any, device: torch.device) -> dict[str, Any]:
+    """The course's AdamW settings: ``cfg.lr``, betas (0.9, 0.95), the fused kernel on CUDA.
+
+    On CPU, PyTorch's default path (one tensor at a time) is kept, so CPU results stay comparable
+    across the torch versions the course supports.
+    """
+    return {"lr": cfg.lr, "betas": (0.9, 0.95), "fused": device.type == "cuda"}
+
+
+def adamw(model: nn.Module, cfg: Any, device: torch.device, ndims: dict[str, int] | None = None
+          ) -> torch.optim.AdamW:
+    """The default optimizer: AdamW over :func:`decay_groups` with :func:`adamw_options`."""
+    return torch.optim.AdamW(decay_groups(model, cfg, ndims), **adamw_options(cfg, device))
+
+
+def without_compile(model: nn.Module) -> nn.Module:
+    """The module ``torch.compile`` wrapped, or the model itself."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    return model._orig_mod if isinstance(model, OptimizedModule) else model
+
+
+def _state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, options: StateDictOptions | None
+                ) -> tuple[dict, dict]:
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    return get_state_dict(model, optimizer, options=options)
+
+
+def _load_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, model_sd: dict, optim_sd: dict,
+                     options: StateDictOptions | None) -> None:
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd, options=options)
+
+
+class Strategy:
+    """One strategy's plan: the hooks of ``ddp_course/parallel/<name>.py``, or the defaults above."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.module = importlib.import_module(f"{__name__}.{name}")
+
+    def __repr__(self) -> str:
+        return f"Strategy({self.name!r})"
+
+    def _hook(self, name: str, default: Callable[..., Any]) -> Callable[..., Any]:
+        return getattr(self.module, name, default)
+
+    @property
+    def needs_process_group(self) -> bool:
+        return bool(getattr(self.module, "NEEDS_PROCESS_GROUP", True))
+
+    def wrap(self, model: nn.Module, info: DistInfo, cfg: TrainConfig) -> nn.Module:
+        wrapped = self.module.wrap(model, info, cfg)
+        _WRAPPED[wrapped] = self
+        return wrapped
+
+    def build_optimizer(self, model: nn.Module, cfg: Any, device: torch.device) -> torch.optim.Optimizer:
+        return self._hook("build_optimizer", adamw)(model, cfg, device)
+
+    def sync_context(self, model: nn.Module, sync: bool) -> contextlib.AbstractContextManager:
+        return self._hook("sync_context", lambda model, sync: contextlib.nullcontext())(model, sync)
+
+    def clip_grad_norm_(self, model: nn.Module, max_norm: float) -> torch.Tensor:
+        return self._hook("clip_grad_norm_", lambda m, n: torch.nn.utils.clip_grad_norm_(m.parameters(), n))(
+            model, max_norm)
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        return without_compile(self._hook("unwrap", without_compile)(model))
+
+    def gathered(self, model: nn.Module) -> nn.Module:
+        return self._hook("gathered", self.unwrap)(model)
+
+    def state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                   options: StateDictOptions | None = None) -> tuple[dict, dict]:
+        return self._hook("state_dict", _state_dict)(model, optimizer, options)
+
+    def load_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer, model_sd: dict, optim_sd: dict,
+                        options: StateDictOptions | None = None) -> None:
+        self._hook("load_state_dict", _load_state_dict)(model, optimizer, model_sd, optim_sd, options)
+
+    def has_state(self, optimizer: torch.optim.Optimizer) -> bool:
+        return bool(self._hook("has_state", lambda optimizer: bool(optimizer.state))(optimizer))
+
+    def devices_per_rank(self, model: nn.Module) -> int:
+        return int(self._hook("devices_per_rank", lambda model: 1)(model))
+
+
+def get(name: str) -> Strategy:
+    """The plan of ``--strategy=name`` (its module is imported here)."""
+    return Strategy(name)
+
+
+def one_process() -> tuple[str, ...]:
+    """The strategies that run in one process, without a process group (``NEEDS_PROCESS_GROUP = False``)."""
+    from ddp_course.config import available_strategies
+
+    return tuple(name for name in available_strategies() if not get(name).needs_process_group)
+
 
 def wrap(model: nn.Module, info: DistInfo, cfg: TrainConfig) -> nn.Module:
-    """Apply ``cfg.strategy`` (``ddp_course.parallel.<strategy>.wrap``) to the model."""
-    module = importlib.import_module(f"{__name__}.{cfg.strategy}")
-    return module.wrap(model, info, cfg)
+    """Apply ``cfg.strategy`` (``ddp_course.parallel.<strategy>.wrap``) to the model and record its plan."""
+    return get(cfg.strategy).wrap(model, info, cfg)
+
+
+def record(model: nn.Module, name: str) -> nn.Module:
+    """Note that ``model`` is strategy ``name``'s wrapper, built by hand (a lesson that calls
+    ``DistributedDataParallel(...)`` itself, then the course's ``train_step``); returns it."""
+    _WRAPPED[model] = get(name)
+    return model
+
+
+def strategy_of(model: nn.Module) -> Strategy:
+    """The plan that wrapped ``model`` (:func:`wrap`, :func:`record`; under ``torch.compile`` too), or
+    the defaults (``single``) for a plain model."""
+    return _WRAPPED.get(model) or _WRAPPED.get(without_compile(model)) or get("single")
+
+
+# --- the plan of a wrapped model, as plain functions (what the training loop calls) ----------------
+
+def sync_context(model: nn.Module, sync: bool) -> contextlib.AbstractContextManager:
+    """The strategy's context for a micro-step that must not synchronise (``sync=False``), else a no-op.
+
+    DDP's is ``model.no_sync()``, which DDP reads when the *forward* runs: the forward of every
+    non-final micro-step must be inside this context, not only its backward. FSDP2's is
+    ``set_requires_gradient_sync(False)`` (no reduce-scatter; unsharded gradients accumulate locally).
+    """
+    return strategy_of(model).sync_context(model, sync) if not sync else contextlib.nullcontext()
+
+
+def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
+    """Clip the global gradient norm (over every rank's shard, for FSDP); returns the norm before clipping."""
+    return strategy_of(model).clip_grad_norm_(model, max_norm)
 
 
 def unwrap(model: nn.Module) -> nn.Module:
-    """The plain model inside DDP / DataParallel / FSDP1 / torch.compile wrappers (for saving, sampling).
+    """The plain model inside the strategy's wrapper and ``torch.compile``'s (for saving, sampling).
 
     FSDP2 shards in place: the model is its own plain self, but its parameters are shards; use
     :func:`gathered` for a copy with full parameters.
     """
-    while True:
-        if hasattr(model, "_orig_mod"):  # torch.compile
-            model = model._orig_mod
-        elif isinstance(getattr(model, "module", None), nn.Module):  # DDP, DataParallel
-            model = model.module
-        else:
-            return model
-
-
-def sync_context(model: nn.Module, sync: bool) -> contextlib.AbstractContextManager:
-    """``model.no_sync()`` on a micro-step that must not all-reduce, else a no-op context.
-
-    DDP reads the flag when the *forward* runs, so the forward of every non-final micro-step must be
-    inside this context, not only its backward. FSDP2 has no ``no_sync()``: its analogue is
-    ``set_requires_gradient_sync(False)`` (no reduce-scatter; unsharded gradients accumulate locally).
-    """
-    if not sync and hasattr(model, "set_requires_gradient_sync"):  # FSDP2
-        return _fsdp2_no_sync(model)
-    if not sync and hasattr(model, "no_sync"):
-        return model.no_sync()
-    return contextlib.nullcontext()
-
-
-@contextlib.contextmanager
-def _fsdp2_no_sync(model: nn.Module) -> Iterator[None]:
-    model.set_requires_gradient_sync(False)
-    try:
-        yield
-    finally:
-        model.set_requires_gradient_sync(True)
-
-
-def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
-    """Clip the global gradient norm; returns the norm before clipping as a plain tensor.
-
-    Sharded gradients need the norm over every rank's shard: FSDP2's are DTensors, whose norm
-    torch.nn.utils.clip_grad_norm_ reduces across ranks; FSDP1's are plain local shards, so it has a
-    method of its own (torch.nn.utils.clip_grad_norm_ would clip each rank by its shard's norm).
-    """
-    if hasattr(model, "clip_grad_norm_"):  # FSDP1
-        return model.clip_grad_norm_(max_norm)
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # DTensor (FSDP2) -> tensor
-
-
-def param_ndims(model: nn.Module) -> dict[str, int]:
-    """Each parameter's number of dimensions as the model defined it, keyed by ``model.named_parameters()``.
-
-    Most wrappers show the parameters as they are. FSDP1 shows flat 1-D shards instead, so its
-    ``wrap`` records the real numbers, taken before wrapping, in the wrapper's public ``param_ndims``
-    attribute; this function returns that record when there is one. The optimizer's weight-decay
-    groups (``train.build_optimizer``) are decided from it.
-    """
-    recorded = getattr(model, "param_ndims", None)
-    if recorded is not None:
-        return dict(recorded)
-    return {name: p.dim() for name, p in model.named_parameters()}
-
-
-def is_sharded(model: nn.Module) -> bool:
-    """True for FSDP (FSDP2's DTensor parameters, or an FSDP1 wrapper)."""
-    from torch.distributed.tensor import DTensor
-
-    return hasattr(model, "_fsdp_wrapped_module") or any(isinstance(p, DTensor) for p in model.parameters())
+    inner = without_compile(model)  # torch.compile(DDP(model)) as well as DDP(torch.compile(model))
+    return strategy_of(inner).unwrap(inner)
 
 
 def gathered(model: nn.Module) -> nn.Module:
@@ -102,14 +220,4 @@ def gathered(model: nn.Module) -> nn.Module:
 
     For FSDP this is a collective (the full parameters are all-gathered): every rank must call it.
     """
-    if not is_sharded(model):
-        return unwrap(model)
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    from ddp_course.model import MiniGPT
-
-    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
-    with torch.random.fork_rng(devices=[]):  # building a model draws its initial weights: leave the RNG alone
-        copy = MiniGPT(unwrap(model).cfg).to(next(iter(state.values())).device)
-    copy.load_state_dict(state)
-    return copy
+    return strategy_of(model).gathered(model)

@@ -19,6 +19,7 @@ Hooks are checked by DDP against their annotations (``bucket: dist.GradBucket``)
 keeps its annotations real objects: no ``from __future__ import annotations`` here.
 """
 
+import contextlib
 import inspect
 from collections.abc import Callable
 
@@ -141,3 +142,13 @@ def wrap(model: nn.Module, info: DistInfo, cfg: TrainConfig) -> nn.Module:
         # compress each bucket for the all-reduce, then back to the gradient's dtype
         ddp.register_comm_hook(state=None, hook=hook)
     return ddp
+
+
+def sync_context(model: DDP, sync: bool) -> contextlib.AbstractContextManager:
+    """``model.no_sync()`` for a micro-step that must not all-reduce (DDP reads it when the forward runs)."""
+    return contextlib.nullcontext() if sync else model.no_sync()
+
+
+def unwrap(model: DDP) -> nn.Module:
+    """The module DDP wraps."""
+    return model.module

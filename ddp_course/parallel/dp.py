@@ -23,6 +23,8 @@ import torch.nn.functional as F
 from ddp_course.config import ConfigError, TrainConfig
 from ddp_course.dist import DeviceError, DistInfo
 
+NEEDS_PROCESS_GROUP = False  # one process drives every GPU
+
 LESSON = "lessons/03_data_parallel.ipynb"
 
 
@@ -87,3 +89,13 @@ def wrap(model: nn.Module, info: DistInfo, cfg: TrainConfig) -> nn.Module:
     # there every forward; the outputs are gathered there too.
     first = info.device.index or 0
     return DataParallelLM(model, device_ids=[first, *(i for i in range(n) if i != first)])
+
+
+def unwrap(model: DataParallelLM) -> nn.Module:
+    """The module DataParallel replicates."""
+    return model.module
+
+
+def devices_per_rank(model: DataParallelLM) -> int:
+    """Every GPU the one process drives does arithmetic (for MFU)."""
+    return len(model.device_ids)

@@ -29,6 +29,9 @@ again for the recomputation).
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -97,3 +100,38 @@ def wrap(model: nn.Module, info: DistInfo, cfg: TrainConfig) -> nn.Module:
         fully_shard(block, reshard_after_forward=cfg.reshard_after_forward, **options)
     fully_shard(model, reshard_after_forward=False, **options)  # the rest: embeddings (tied head), final LayerNorm
     return model
+
+
+@contextlib.contextmanager
+def sync_context(model: nn.Module, sync: bool) -> Iterator[None]:
+    """FSDP2 has no ``no_sync()``: ``set_requires_gradient_sync(False)`` skips the reduce-scatter (the
+    unsharded gradients accumulate locally) until the final micro-step."""
+    model.set_requires_gradient_sync(sync)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+
+
+def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
+    """The gradients are DTensor shards, whose norm ``clip_grad_norm_`` reduces across ranks; the
+    result is a DTensor too, returned as a plain tensor."""
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    return norm.full_tensor()
+
+
+def gathered(model: nn.Module) -> nn.Module:
+    """A plain MiniGPT with the full parameters (every rank all-gathers; every rank gets the copy).
+
+    Also FSDP1's (``ddp_course.parallel.fsdp1``): the full state dict of either is keyed by the
+    plain model's names.
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from ddp_course.model import MiniGPT
+
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    with torch.random.fork_rng(devices=[]):  # building a model draws its initial weights: leave the RNG alone
+        copy = MiniGPT(model.cfg).to(next(iter(state.values())).device)
+    copy.load_state_dict(state)
+    return copy

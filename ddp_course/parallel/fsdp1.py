@@ -29,6 +29,9 @@ Two traps handled here:
 
 from __future__ import annotations
 
+import contextlib
+from typing import Any
+
 import torch
 import torch.nn as nn
 from torch.distributed.fsdp import CPUOffload, MixedPrecision, ShardingStrategy
@@ -37,7 +40,8 @@ from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
 from ddp_course.config import ConfigError, TrainConfig
 from ddp_course.dist import DistInfo
-from ddp_course.parallel.fsdp import device_mesh, shard_layout
+from ddp_course.parallel import adamw
+from ddp_course.parallel.fsdp import device_mesh, gathered, shard_layout
 
 
 def sharding_strategy(info: DistInfo, cfg: TrainConfig) -> ShardingStrategy:
@@ -75,6 +79,30 @@ def wrap(model: nn.Module, info: DistInfo, cfg: TrainConfig) -> nn.Module:
                    mixed_precision=mp, cpu_offload=CPUOffload(offload_params=True) if cfg.fsdp_cpu_offload else None)
     # FSDP1 shows each parameter (the same object, use_orig_params) as a flat 1-D view of this rank's
     # shard; the optimizer's weight-decay groups need the real number of dimensions: recorded here by
-    # the wrapper's parameter names, read by ddp_course.parallel.param_ndims.
+    # the wrapper's parameter names, read by build_optimizer below.
     wrapped.param_ndims = {name: ndims[id(p)] for name, p in wrapped.named_parameters()}
     return wrapped
+
+
+def build_optimizer(model: FSDP, cfg: Any, device: torch.device) -> torch.optim.AdamW:
+    """The course's AdamW, its weight-decay groups decided by the dimensions recorded before wrapping."""
+    return adamw(model, cfg, device, ndims=model.param_ndims)
+
+
+def sync_context(model: FSDP, sync: bool) -> contextlib.AbstractContextManager:
+    """FSDP1 keeps DDP's ``no_sync()`` (unsharded gradients accumulate until the final micro-step)."""
+    return contextlib.nullcontext() if sync else model.no_sync()
+
+
+def clip_grad_norm_(model: FSDP, max_norm: float) -> torch.Tensor:
+    """FSDP1's own method: the norm over every rank's flat shard (``torch.nn.utils.clip_grad_norm_``
+    would clip each rank by its own shard's norm)."""
+    return model.clip_grad_norm_(max_norm)
+
+
+def unwrap(model: FSDP) -> nn.Module:
+    """The root module inside the outer wrapper (its blocks stay wrapped: use ``gathered`` for a copy)."""
+    return model.module
+
+
+__all__ = ["build_optimizer", "clip_grad_norm_", "gathered", "sharding_strategy", "sync_context", "unwrap", "wrap"]

@@ -7,6 +7,8 @@ import torch.nn as nn
 from ddp_course.config import TrainConfig
 from ddp_course.dist import DistInfo
 
+NEEDS_PROCESS_GROUP = False  # one process; every other hook is the default (ddp_course/parallel/__init__.py)
+
 
 def wrap(model: nn.Module, info: DistInfo, cfg: TrainConfig) -> nn.Module:
     """The model itself; refuses a job of several ranks (each would train a model of its own)."""

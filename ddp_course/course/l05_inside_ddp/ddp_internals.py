@@ -45,6 +45,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from ddp_course import parallel
 from ddp_course.cli import FlagError, command, number_list, parse_flags
 from ddp_course.course.l05_inside_ddp.ddp_common import (
     BucketRecorder,
@@ -375,7 +376,7 @@ HOOK_NAMES = ("none", "fp16", "bf16", "int8")
 def _hooked_ddp(model: nn.Module, info: DistInfo, name: str, cap: float) -> DDP:
     """DDP through the course's wrap (none / fp16 / bf16 are --comm_hook values); int8 registered here."""
     cfg = SimpleNamespace(**vars(_cfg(bucket_cap_mb=cap)), comm_hook="none" if name == "int8" else name)
-    ddp = ddp_strategy.wrap(model, info, cfg)
+    ddp = parallel.get("ddp").wrap(model, info, cfg)
     if name == "int8":
         ddp.register_comm_hook(None, ddp_strategy.int8_hook)
     return ddp

@@ -87,8 +87,8 @@ def worker(opts: dict[str, Any]) -> None:
         #    so its all-reduces take DDP's built-in path).
         from ddp_course import parallel
 
-        vddp = DDP(tiny_model(opts["seed"], **shape).to(device), bucket_cap_mb=opts["bucket_cap_mb"],
-                   device_ids=[device.index] if device.type == "cuda" else None)
+        vddp = parallel.record(DDP(tiny_model(opts["seed"], **shape).to(device), bucket_cap_mb=opts["bucket_cap_mb"],
+                                   device_ids=[device.index] if device.type == "cuda" else None), "ddp")
         counter = AllReduceCounter(vddp)
         vopt = build_optimizer(vddp, cfg, device)
         for _ in range(2):  # DDP re-buckets after the first backward; count on the second

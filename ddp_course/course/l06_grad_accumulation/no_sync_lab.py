@@ -232,7 +232,8 @@ def main(argv: list[str]) -> int:
         device = info.device
         model = tiny_model(opts["seed"], **shape).to(device)
         reference = tiny_model(opts["seed"], **shape).to(device)  # same weights, never wrapped: one process, big batch
-        ddp = DDP(model, bucket_cap_mb=opts["bucket_cap_mb"], device_ids=[device.index] if device.type == "cuda" else None)
+        ddp = parallel.record(DDP(model, bucket_cap_mb=opts["bucket_cap_mb"],
+                                  device_ids=[device.index] if device.type == "cuda" else None), "ddp")
         counter = AllReduceCounter(ddp)
 
         def my_batch(index: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -23,11 +23,12 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from ddp_course import parallel
 from ddp_course.cli import FlagError, command
 from ddp_course.config import PRECISIONS, parse_cli
 from ddp_course.data import CorpusError
 from ddp_course.dist import DeviceError
-from ddp_course.launch import ONE_PROCESS, TRAIN_MODULE, Run
+from ddp_course.launch import TRAIN_MODULE, Run
 from ddp_course.train import main as train_main
 
 PROG = "python -m ddp_course.course.l07_mixed_precision.precisions"
@@ -65,9 +66,9 @@ def main(argv: list[str]) -> int:
         return 0
     precisions, rest = split_precisions(argv)
     cfg = parse_cli(rest)
-    if cfg.strategy not in ONE_PROCESS:
+    if parallel.get(cfg.strategy).needs_process_group:
         raise FlagError(f"{PROG}: --strategy={cfg.strategy} needs a process group; this program runs one-process "
-                        f"strategies ({', '.join(ONE_PROCESS)}). Under DDP, launch ddp_course.train once per precision.")
+                        f"strategies ({', '.join(parallel.one_process())}). Under DDP, launch ddp_course.train once per precision.")
     for p in precisions:
         try:
             train_main(cfg.replace(precision=p, out_dir=str(Path(cfg.out_dir) / p)))

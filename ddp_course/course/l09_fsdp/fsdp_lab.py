@@ -61,6 +61,7 @@ PROG = "python -m ddp_course.course.l09_fsdp.fsdp_lab"
 # name -> (strategy, TrainConfig overrides); hybrid variants use half the ranks per shard group
 VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "ddp": ("ddp", {}),
+    "zero1": ("zero1", {}),
     "fsdp": ("fsdp", {}),
     "fsdp_noreshard": ("fsdp", {"reshard_after_forward": False}),
     "fsdp_bf16": ("fsdp", {"fsdp_mixed_precision": True}),

@@ -43,6 +43,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+from torch.distributed.optim import ZeroRedundancyOptimizer
 
 STRATEGIES = ("single", "ddp", "zero1", "fsdp", "fsdp1")
 FP32 = 4
@@ -82,26 +83,36 @@ def _table(key: tuple[int, ...]) -> tuple[Tensor, ...]:
     return tuple(out)
 
 
-def zero1_partition(numels: list[int], world_size: int) -> list[list[int]]:
+def zero1_partition(numels: list[int], world_size: int, groups: list[int] | None = None) -> list[list[int]]:
     """ZeRO-1's owners: ``shards[r]`` lists the indices of the tensors rank r owns (and steps).
 
     Sorted greedy, the rule of ``torch.distributed.optim.ZeroRedundancyOptimizer``: the tensors from
     the largest down (a stable sort, so equal sizes keep their order), each to the rank that owns the
     fewest elements so far (the lowest rank on a tie). No two ranks then differ by more than the
-    largest tensor.
+    largest tensor. ``groups`` (a parameter group per tensor): the library sorts and deals one group
+    after the other, the elements owned carried from group to group.
     """
+    groups = groups if groups is not None else [0] * len(numels)
     shards: list[list[int]] = [[] for _ in range(world_size)]
     owned = [0] * world_size
-    for i in sorted(range(len(numels)), key=lambda i: numels[i], reverse=True):
-        rank = owned.index(min(owned))
-        shards[rank].append(i)
-        owned[rank] += numels[i]
+    for group in sorted(set(groups)):
+        mine = [i for i in range(len(numels)) if groups[i] == group]
+        for i in sorted(mine, key=lambda i: numels[i], reverse=True):
+            rank = owned.index(min(owned))
+            shards[rank].append(i)
+            owned[rank] += numels[i]
     return shards
 
 
-def _zero1_states(table: list[Tensor], world_size: int, rank: int) -> dict[str, int]:
+def decay_group(t: Tensor) -> int:
+    """The course's AdamW group of a tensor: 0 for matrices (weight decay), 1 for the rest."""
+    return 0 if len(t.shape) >= 2 else 1
+
+
+def _zero1_states(table: list[Tensor], world_size: int, rank: int, decay_groups: bool) -> dict[str, int]:
     params = sum(t.numel for t in table) * FP32
-    mine = [table[i] for i in zero1_partition([t.numel for t in table], world_size)[rank]]
+    groups = [decay_group(t) for t in table] if decay_groups else None
+    mine = [table[i] for i in zero1_partition([t.numel for t in table], world_size, groups)[rank]]
     return {"params": params, "grads": params, "optimizer": sum(2 * t.numel * FP32 + FP32 for t in mine)}
 
 
@@ -176,8 +187,13 @@ def activation_bytes(shape: dict[str, int], micro_batch_size: int, *, compute_by
 
 def predict(strategy: str, world_size: int, shape: dict[str, int], *, micro_batch_size: int = 16,
             reshard_after_forward: bool = True, fsdp_shard_size: int = 0, mixed_precision: bool = False,
-            activation_checkpointing: bool = False, device_type: str = "cpu") -> list[dict]:
+            activation_checkpointing: bool = False, device_type: str = "cpu", decay_groups: bool = False
+            ) -> list[dict]:
     """Predicted bytes on each rank (one dict per rank) for ``strategy`` at ``world_size``.
+
+    ``decay_groups`` (``zero1``): the optimizer has the course's two parameter groups (matrices with
+    weight decay, the rest without), as ``--strategy=zero1`` builds it; without, one group of every
+    parameter, as exercise 09 builds it.
 
     Keys: ``rank``, ``params``, ``grads``, ``optimizer``, ``states`` (their sum), ``activations``,
     ``padding`` (``states`` minus an exact 1/N of DDP's, N = ranks sharing one copy; for ``zero1``,
@@ -209,7 +225,7 @@ def predict(strategy: str, world_size: int, shape: dict[str, int], *, micro_batc
         elif strategy == "fsdp1":
             states = _fsdp1_states(table, shard, s, compute)
         elif strategy == "zero1":
-            states = _zero1_states(table, world_size, rank)
+            states = _zero1_states(table, world_size, rank, decay_groups)
         else:
             states = dict(replicated)
         total = states["params"] + states["grads"] + states["optimizer"]
@@ -232,7 +248,7 @@ def predict_cfg(cfg, world_size: int, vocab_size: int, device_type: str = "cpu")
     return predict(cfg.strategy, world_size, shape, micro_batch_size=cfg.micro_batch_size,
                    reshard_after_forward=cfg.reshard_after_forward, fsdp_shard_size=cfg.fsdp_shard_size,
                    mixed_precision=cfg.fsdp_mixed_precision, activation_checkpointing=cfg.activation_checkpointing,
-                   device_type=device_type)
+                   device_type=device_type, decay_groups=True)
 
 
 # --- measuring ---------------------------------------------------------------------------------------
@@ -262,7 +278,9 @@ def measure_states(model: torch.nn.Module, optimizer: torch.optim.Optimizer | No
     params = list(model.parameters())
     out = {"params": _storage_bytes(params), "grads": _storage_bytes(p.grad for p in params)}
     if optimizer is not None:
-        out["optimizer"] = _storage_bytes(v for st in optimizer.state.values() for v in st.values()
+        # ZeroRedundancyOptimizer keeps this rank's AdamW (over the parameters it owns) in .optim
+        local = optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
+        out["optimizer"] = _storage_bytes(v for st in local.state.values() for v in st.values()
                                           if isinstance(v, torch.Tensor))
     out["states"] = sum(out.values())
     return out

@@ -145,7 +145,8 @@ def fresh_model(opts: dict[str, Any]) -> MiniGPT:
 def ddp(model: torch.nn.Module, bucket_cap_mb: float) -> DDP:
     """DDP around a model on this rank's device (its one GPU, or the CPU)."""
     device = next(model.parameters()).device
-    return DDP(model, bucket_cap_mb=bucket_cap_mb, device_ids=[device.index] if device.type == "cuda" else None)
+    return parallel.record(DDP(model, bucket_cap_mb=bucket_cap_mb,
+                               device_ids=[device.index] if device.type == "cuda" else None), "ddp")
 
 
 def train(model: torch.nn.Module, data, lr: float = 1e-3) -> tuple[list[float], list[float]]:
