@@ -19,8 +19,6 @@ spawned worker that re-imports a test module pays nothing for it.
 
 from __future__ import annotations
 
-import functools
-import importlib.util
 import os
 import shlex
 import socket
@@ -137,13 +135,12 @@ def spawn(fn: Callable[..., None], args: tuple, world: int, deadline_s: float = 
 # --------------------------------------------------------------------------------------------------
 # exercise scripts, answered and with one mistake
 
-@functools.cache
 def make_lessons() -> ModuleType:
-    """``tools/make_lessons.py``, loaded by its path (``tools/`` is not an installed package)."""
-    spec = importlib.util.spec_from_file_location("make_lessons", ROOT / "tools" / "make_lessons.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """The rewrite that writes lessons/ from solutions/ (``ddp_course.check.rewrite``; ``tools/make_lessons.py``
+    is its command line)."""
+    from ddp_course.check import rewrite
+
+    return rewrite
 
 
 def answered_exercise(name: str) -> str:

@@ -31,8 +31,9 @@ PACKAGE = ROOT / "ddp_course"
 LESSONS = "ddp_course.course"
 CORE = ("cli", "config", "data", "model", "dist", "train", "checkpoint", "metrics", "launch", "paths", "postmortem")
 CORE_PACKAGES = ("parallel", "_postmortem")  # _postmortem: the start-up hook every rank of a job loads
-ENTRY_POINTS = ("__init__", "__main__", "bench", "check", "doctor")  # the command line, not the core
-TOP_LEVEL = {*(f"{m}.py" for m in (*CORE, *ENTRY_POINTS)), *CORE_PACKAGES, "course"}
+ENTRY_POINTS = ("__init__", "__main__", "bench", "doctor")  # the command line, not the core
+HARNESS_PACKAGES = ("check",)  # the grading harness: `python -m ddp_course check`, one module per concern
+TOP_LEVEL = {*(f"{m}.py" for m in (*CORE, *ENTRY_POINTS)), *CORE_PACKAGES, *HARNESS_PACKAGES, "course"}
 
 
 def module_name(path: Path) -> str:
@@ -231,3 +232,24 @@ def test_no_strategy_behaviour_is_decided_by_probing_the_model(where):
     new strategy is one new file; the loop, checkpoints and the launcher never probe a wrapped model."""
     found = attribute_probes((PACKAGE / where).read_text())
     assert not found, f"{where} decides by the model's attributes: {found}; give the strategy a hook instead."
+
+
+# --- the grading harness: split by concern, and nothing in the package runs a file by its path -------------
+
+CHECK_PART_LINES = 320  # "each part under ~300 lines": a part that outgrows this is doing two jobs
+
+
+@pytest.mark.parametrize("path", sorted((PACKAGE / "check").glob("*.py")), ids=lambda p: p.name)
+def test_each_part_of_the_grading_harness_is_small(path):
+    n = len(path.read_text(encoding="utf-8").splitlines())
+    assert n <= CHECK_PART_LINES, f"ddp_course/check/{path.name} has {n} lines: split it by concern."
+
+
+def test_no_course_module_loads_a_file_of_the_repository_by_its_path():
+    """Import analysis (and a maintainer) must see what the package runs: no module of ours is executed
+    from a path. Graders load the *learner's* script by path (that is their job), and the start-up hook
+    chains to a ``sitecustomize`` it shadows; both name the file they load from their argument."""
+    allowed = {"course/l08_checkpointing/grader.py", "course/l09_fsdp/grader_zero1.py", "_postmortem/sitecustomize.py"}
+    found = [str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py")
+             if any(call in p.read_text(encoding="utf-8") for call in ("spec_from_file_location(", "run_path("))]
+    assert sorted(set(found) - allowed) == [], found

@@ -18,6 +18,7 @@ import pytest
 from harness import ROOT, make_lessons
 
 from ddp_course import check
+from ddp_course.check import harness_check, reference
 
 ml = make_lessons()
 
@@ -178,7 +179,7 @@ def test_a_top_level_todo_leaves_its_statements_free():
 
 
 def test_without_a_shipped_copy_the_verdict_says_the_harness_was_not_compared(answered, graders, monkeypatch):
-    monkeypatch.setattr(check, "exercise_reference", lambda number, graded=None: None)
+    monkeypatch.setattr(harness_check, "exercise_reference", lambda number, graded=None: None)
     verdict = check.grade("01_global_val_loss", answered["01_global_val_loss"])
     assert verdict.ok and verdict.message.startswith(GRADED) and "was not compared" in verdict.message, verdict
 
@@ -187,7 +188,7 @@ def test_the_reference_is_never_the_graded_file_itself(monkeypatch):
     lessons = ROOT / "lessons" / "exercises" / EXERCISES["01_global_val_loss"]
     ref = check.exercise_reference("01_global_val_loss", lessons)
     assert ref.shown == f"lessons/exercises/{EXERCISES['01_global_val_loss']}" and ref.source == lessons.read_text()
-    monkeypatch.setattr(check, "_make_lessons", lambda: None)  # no tools/: the lessons/ copy is the reference...
+    monkeypatch.setattr(reference, "SOLUTIONS", ROOT / "no-solutions")  # no solutions/: the lessons/ copy is the reference...
     assert check.exercise_reference("01_global_val_loss", ROOT / "solutions" / "exercises" / EXERCISES["01_global_val_loss"]).source == lessons.read_text()
     assert check.exercise_reference("01_global_val_loss", lessons) is None  # ...except for itself (edited in place)
 

@@ -32,7 +32,7 @@ def attempt(tmp_path: Path, name: str, line: str, *, top: bool = False) -> tuple
     """The answered exercise ``name`` with ``line`` as the first statement of its first answer (or the
     first line of the file, ``top``), as ``tmp_path/<name>/<its script>``; and that line's number."""
     ex = exercises()[name]
-    src = (Path(check.__file__).parents[1] / "solutions" / "exercises" / ex.script).read_text(encoding="utf-8")
+    src = (Path(check.__file__).parents[2] / "solutions" / "exercises" / ex.script).read_text(encoding="utf-8")
     lines = src.splitlines(keepends=True)
     if top:
         lines.insert(0, line + "\n")
@@ -129,7 +129,7 @@ def test_another_exercises_file_is_named():
     assert "python -m ddp_course check 04 lessons/exercises/04_ddp_convert.py" in verdict.message
     verdict = check.grade("09_fsdp", "lessons/exercises/09_zero1.py")
     assert "looks like the file of exercise 09_zero1" in verdict.message and "check 09_zero1" in verdict.message
-    root = Path(check.__file__).parents[1]
+    root = Path(check.__file__).parents[2]
     for name, ex in exercises().items():  # every exercise's own file fits it, stub or answered
         for folder in ("lessons", "solutions"):
             assert check.looks_like(root / folder / "exercises" / ex.script, ex) is None, (name, folder)

@@ -1,4 +1,4 @@
-"""The lesson generator (tools/make_lessons.py) and the check that lessons/ matches solutions/."""
+"""The lesson generator (ddp_course.check.rewrite, tools/make_lessons.py its command line) and the check that lessons/ matches solutions/."""
 
 from __future__ import annotations
 
@@ -15,9 +15,11 @@ import pytest
 from harness import ROOT
 from nbformat import v4
 
+from ddp_course.check import rewrite as ml  # noqa: E402 -- the rewrite; tools/make_lessons.py is its command line
+
 _spec = importlib.util.spec_from_file_location("make_lessons", ROOT / "tools" / "make_lessons.py")
-ml = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(ml)
+cli = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(cli)
 RAISE = 'raise NotImplementedError("exercise: complete this part")'
 
 
@@ -127,7 +129,7 @@ def run_tool(root: Path, *args: str) -> subprocess.CompletedProcess:
     """The command line, run in this process (the real-repository check below runs it as a subprocess)."""
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        rc = ml.main([f"--root={root}", *args])
+        rc = cli.main([f"--root={root}", *args])
     return subprocess.CompletedProcess(args, rc, out.getvalue(), err.getvalue())
 
 

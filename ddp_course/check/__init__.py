@@ -1,0 +1,152 @@
+"""The exercises' grading harness: ``python -m ddp_course check NN PATH``.
+
+Script graders live in their lesson's folder, ``ddp_course/course/lNN_<topic>/grader.py`` (each with
+``grade(path, **kwargs) -> Verdict``); ``run_exercise`` runs a script and collects the ``RESULT
+{json}`` lines it prints (``results(output)`` reads them). A notebook's own checks live in its lesson
+folder too (e.g. ``ddp_course.course.l01_minigpt.grader.attention``).
+
+A grader runs the learner's code for real (scripts with torchrun) and compares it against the
+course's own reference; it says what is wrong, not only that something is.
+"""
+
+import sys
+from pathlib import Path
+
+from ddp_course.check.harness_check import answer_functions, check_harness, harness_differences
+from ddp_course.check.records import (
+    RECORD_KEEP,
+    RECORDS,
+    _graded_and_recorded,
+    grader_options,
+    record_path,
+    recorded,
+    sha256_file,
+)
+from ddp_course.check.reference import (
+    SAME,
+    Reference,
+    exercise_reference,
+    is_stub,
+    looks_like,
+    replace_function_body,
+    unfinished,
+)
+from ddp_course.check.registry import Exercise, _key, exercises, graders, listing, notebook_exercises, resolve
+from ddp_course.check.verdicts import (
+    MARGIN,
+    NOT_COMPLETE,
+    STUB,
+    GradedRun,
+    Nearest,
+    Verdict,
+    crash_report,
+    graded_records,
+    hang_report,
+    last_lines,
+    nearest,
+    not_complete,
+    results,
+    run_exercise,
+    stub_left,
+    syntax_verdict,
+)
+
+__all__ = [
+    "answer_functions",
+    "check_harness",
+    "crash_report",
+    "Exercise",
+    "exercise_reference",
+    "exercises",
+    "graded_records",
+    "GradedRun",
+    "grader_options",
+    "graders",
+    "hang_report",
+    "harness_differences",
+    "is_stub",
+    "last_lines",
+    "listing",
+    "looks_like",
+    "MARGIN",
+    "Nearest",
+    "nearest",
+    "not_complete",
+    "NOT_COMPLETE",
+    "notebook_exercises",
+    "RECORD_KEEP",
+    "record_path",
+    "recorded",
+    "RECORDS",
+    "Reference",
+    "replace_function_body",
+    "resolve",
+    "results",
+    "run_exercise",
+    "SAME",
+    "sha256_file",
+    "STUB",
+    "stub_left",
+    "syntax_verdict",
+    "unfinished",
+    "Verdict",
+    "grade",
+    "main",
+]
+
+
+def grade(number: str, path: str | Path, **kwargs) -> Verdict:
+    """Run the grader of exercise ``number`` (a lesson's number or an exercise's name, see ``resolve``)
+    on a script.
+
+    Before any job starts: a script that still holds a TODO's stub gets its verdict at once, and so
+    does a script whose part outside the TODOs differs from the shipped exercise (``check_harness``;
+    the grader's ``EDITABLE``, if it has one, names the constants the learner may change). The
+    grader's verdict is noted in ``runs/check/<exercise>.json`` (see the end of this module).
+    """
+    import importlib
+
+    exercise = resolve(number, path)
+    path_ = Path(path)
+    bad = syntax_verdict(path_) if path_.is_file() else None
+    if bad is not None:
+        return bad
+    other = looks_like(path_, exercise) if path_.is_file() else None
+    if other is not None:
+        return Verdict(False, f"{path_.name} looks like the file of exercise {other.name} ({other.script}), not of "
+                              f"{exercise.name} ({exercise.script}): it defines that exercise's functions. Grade it with "
+                              f"`python -m ddp_course check {_key(other)} {path}`, or grade your copy of "
+                              f"lessons/exercises/{exercise.script} here.")
+    left = unfinished(path_.read_text(encoding="utf-8")) if path_.is_file() else []
+    if left:
+        what = left[0] if len(left) == 1 else ", ".join(left[:-1]) + " and " + left[-1]
+        return not_complete(what, path, plural=len(left) > 1)
+    grader = importlib.import_module(exercise.module)
+    harness = (check_harness(exercise.name, path, tuple(getattr(grader, "EDITABLE", ()))) if path_.is_file()
+               else Verdict(True, ""))
+    if not harness.ok:
+        return harness
+    return _graded_and_recorded(exercise.name, path, grader, kwargs, harness.message)
+
+
+def main(argv: list[str]) -> int:
+    if not argv:
+        print(listing())
+        return 0
+    if len(argv) != 2:
+        print("usage: python -m ddp_course check NN PATH   (python -m ddp_course check, alone, lists the exercises)",
+              file=sys.stderr)
+        return 2
+    try:
+        resolve(argv[0], argv[1])
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    path = Path(argv[1])
+    if not path.is_file():
+        print(f"error: {path} is not a file. Give the path of your exercise script, e.g. "
+              f"{resolve(argv[0], argv[1]).command.split()[-1]}", file=sys.stderr)
+        return 2
+    verdict = grade(argv[0], path)
+    print(verdict)
+    return 0 if verdict.ok else 1
