@@ -236,7 +236,7 @@ def setup(device: str = "auto", timeout_s: float = 120.0, threads: int = 0, beca
 # (``quick_exit_is_quiet``).
 #
 # Which PyTorch needs it: without the guard, a finished 2-rank DDP job's gloo workers were still
-# alive at exit on 2.11, 2.12, 2.13, 2.14 and 2.15 (tests/test_clean_exit.py); on 2.10 the same job had
+# alive at exit on 2.11, 2.12, 2.13, 2.14 and 2.15 (tests/core/test_clean_exit.py); on 2.10 the same job had
 # joined them by itself. The guard is harmless there, so it runs on every version; the test that
 # shows why it exists expects the leftover workers from EXIT_GUARD_NEEDED_FROM on, none before.
 #

@@ -65,7 +65,7 @@ def autocast(device: torch.device, precision: str) -> contextlib.AbstractContext
     fp32 stays IEEE fp32 on a GPU too: the course leaves PyTorch's default float32 matmul precision
     ("highest", not TF32), because lessons compare fp32 runs across strategies and ``bench amp`` times
     TF32 as a variant of its own. Under bf16/fp16 autocast every matmul of MiniGPT runs in 16 bits, so
-    that setting does not touch them (``tests/test_bench_gpu.py`` checks it).
+    that setting does not touch them (``tests/lessons/test_bench_gpu.py`` checks it).
     """
     if precision == "fp32":
         return contextlib.nullcontext()

@@ -10,7 +10,7 @@ A lesson folder holds everything its notebook runs beyond the core (``ddp_course
   (``EXERCISE``), run as ``python -m ddp_course check NN PATH``.
 
 ``plots.py`` here holds the figures several lessons share (loss curves, bar charts). The core never
-imports from this package (``tests/test_architecture.py`` checks it); see ``docs/ARCHITECTURE.md``.
+imports from this package (``tests/core/test_architecture.py`` checks it); see ``docs/ARCHITECTURE.md``.
 """
 
 import re

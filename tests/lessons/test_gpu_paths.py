@@ -223,7 +223,7 @@ def test_no_sync_lab_with_cuda_tensors(tmp_path):
     res = json.loads((tmp_path / "no_sync_lab.json").read_text())
     assert res["device"] == "cuda" and res["backend"] == "gloo"
     # backward_only is lesson 06's silent bug: the right gradients at K times the traffic (every
-    # micro-step all-reduces), as on the CPU (tests/test_no_sync_lesson.py)
+    # micro-step all-reduces), as on the CPU (tests/lessons/test_no_sync_lesson.py)
     for variant in ("no_sync", "backward_only"):
         assert all(s["matches_big_batch"] for s in res["variants"][variant]["steps"]), variant
     assert all(s["synced_micro_steps"] == [s["micro_batches"] - 1] for s in res["variants"]["no_sync"]["steps"])
@@ -291,7 +291,7 @@ def test_tensor_parallel_lab_with_cuda_tensors(tmp_path):
              env=_one_gpu_shared(), timeout=240)
     lab = json.loads((tmp_path / "tp_lab.json").read_text())
     assert (lab["device"], lab["backend"]) == ("cuda", "gloo")
-    # the CPU's tolerance (tests/test_tensor_parallel.py): float32 matmuls on the GPU are still float32
+    # the CPU's tolerance (tests/lessons/test_tensor_parallel.py): float32 matmuls on the GPU are still float32
     # (TF32 is off for them by default), only summed in another order
     assert lab["max_rel_diff"] <= 1e-5 and lab["first_logits_rel_diff"]["tp"] <= 1e-5
     assert lab["losses_tp"][-1] < lab["losses_tp"][0]

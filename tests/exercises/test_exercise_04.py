@@ -3,7 +3,7 @@ saying which one it is.
 
 Every wrong attempt is the answered solution with ONE function body replaced (what a learner would
 have written there). The mistakes of the data order (no DistributedSampler) are also in
-``tests/test_ddp_lesson.py``, beside the recipe lab that shows them. The answered solution is the
+``tests/lessons/test_ddp_lesson.py``, beside the recipe lab that shows them. The answered solution is the
 file lesson 04's grading cell grades in ``make test``: its verdict is read from there when that cell
 graded the same file in this session (``notebook_runs.grade``).
 """

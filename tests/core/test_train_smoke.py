@@ -88,7 +88,7 @@ def test_single_process_with_double_batch_reproduces_the_ddp_run(ddp_run, tmp_pa
     s_train, s_val, s_config, s_sum = load_run(out)
     assert s_config["world_size"] == 1 and s_config["backend"] is None
 
-    # Same windows per step (tests/test_data.py), same initial weights, gradients averaged over the
+    # Same windows per step (tests/core/test_data.py), same initial weights, gradients averaged over the
     # ranks: the runs differ only in fp32 summation order (~1e-7 per step; observed ~3e-7 in the
     # loss after 40 steps). 1e-4 leaves a wide margin, and any real difference -- other data,
     # unsynchronised replicas, a wrong average -- shifts a logged loss by 1e-2 or more.

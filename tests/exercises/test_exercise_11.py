@@ -15,7 +15,7 @@ from pathlib import Path
 
 import notebook_runs
 import pytest
-from harness import answered_exercise, at_once, exercise_attempt, grade_in_pairs
+from harness import ROOT, answered_exercise, at_once, exercise_attempt, grade_in_pairs
 
 from ddp_course import check
 from ddp_course.course.l11_beyond_data_parallel import grader
@@ -96,7 +96,7 @@ def test_classic_mistake_is_rejected_and_named(mistake, verdicts):
 # --- the diagnoses on rows built here (no job) ------------------------------------------------------
 
 def constants() -> dict:
-    return grader.harness_constants(Path(__file__).resolve().parents[1] / "solutions" / "exercises" / NAME)
+    return grader.harness_constants(ROOT / "solutions" / "exercises" / NAME)
 
 
 def rows_from_reference(scale: dict[str, float] | None = None) -> list[dict]:

@@ -159,7 +159,7 @@ def test_package_top_level_holds_only_the_expected_modules():
     assert found - TOP_LEVEL == set(), (
         f"unexpected at the top of ddp_course/: {sorted(found - TOP_LEVEL)}. Lesson material goes under "
         "ddp_course/course/lNN_<topic>/ (shared figures in course/plots.py); a new core module is added to "
-        "CORE in tests/test_architecture.py.")
+        "CORE in tests/core/test_architecture.py.")
     assert TOP_LEVEL - found == set(), f"missing from ddp_course/: {sorted(TOP_LEVEL - found)}"
 
 

@@ -3,7 +3,7 @@ saying which one it is.
 
 Every wrong attempt is the answered solution with ONE function body replaced. The diagnosis of the
 resumed run's RESULT rows (each part of the state left out) is also checked without a job in
-``tests/test_checkpoint.py::test_grader_diagnoses_each_missing_part``. The answered solution is the
+``tests/core/test_checkpoint.py::test_grader_diagnoses_each_missing_part``. The answered solution is the
 file lesson 08's grading cell grades in ``make test``: its verdict is read from there when that cell
 graded the same file in this session (``notebook_runs.grade``).
 """

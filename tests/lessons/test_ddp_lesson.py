@@ -1,7 +1,7 @@
 """Lesson 04 (DDP): the recipe lab against one process, its breakers, the set_epoch bug, the streaming
 data order, exercise 04's grader, and the mp.spawn demonstration.
 
-``tests/test_data.py`` already checks the sampler on its own (disjoint, covering shards; set_epoch
+``tests/core/test_data.py`` already checks the sampler on its own (disjoint, covering shards; set_epoch
 reshuffles; a 2-rank batch is the single-process batch). What is new here: the same properties
 observed in a real 2-rank DDP run across epochs, the streaming alternative, and what the recipe's
 deliberate mistakes do to the result. Every process is started with a timeout.

@@ -1,7 +1,7 @@
 """Lesson 06: the no_sync lab, the no_sync bench, the exercise grader, and the batch bookkeeping error.
 
 (The package's own ``train_step`` -- no_sync gradient equivalence and all-reduce counts -- is tested
-in tests/test_distributed.py; these tests cover what lesson 06 adds.) Every launch has a timeout.
+in tests/core/test_distributed.py; these tests cover what lesson 06 adds.) Every launch has a timeout.
 
 Lesson 06's grading cells grade the answered solution and the same one-mistake attempt as the
 grader tests below (no_sync around the backward only): in ``make test`` their verdicts are read from
