@@ -34,7 +34,7 @@ ifeq ($(origin DDP_COURSE_DATA),undefined)
   endif
 endif
 
-.PHONY: lab test test-torch setup clean lessons check-lessons bench-overhead
+.PHONY: lab test test-torch setup clean lessons check-lessons bench-overhead site site-check
 
 setup: $(STAMP)
 
@@ -53,7 +53,7 @@ $(STAMP): pyproject.toml
 	  $(PY) -m pip install --quiet $(TORCH_PIP_ARGS) "$(TORCH_SPEC)"; \
 	fi; \
 	echo "[setup] installing ddp_course and its tools into $(VENV)"; \
-	$(PY) -m pip install --quiet -e ".[dev]"; \
+	$(PY) -m pip install --quiet -e ".[dev,site]"; \
 	$(PY) -m ddp_course doctor; \
 	touch $(STAMP)
 
@@ -92,8 +92,18 @@ lessons: setup
 check-lessons: setup
 	$(PY) tools/make_lessons.py --check
 
+# The course as a static site, from solutions/ with their saved outputs (nothing is executed):
+# build/site/index.html. `make site-check` then opens every page in headless Chromium (the system's:
+# Debian's package `chromium`, or CHROMIUM=/path/to/chrome) and checks what a reader sees.
+site: setup
+	$(PY) tools/make_site.py build/site
+
+site-check: site
+	@$(PY) -m pip install --quiet -e ".[dev,site,site-check]"
+	$(PY) tools/check_site.py build/site
+
 bench-overhead: setup
 	$(PY) -m ddp_course.bench overhead
 
 clean:
-	rm -rf runs solutions/runs lessons/runs bench_results .pytest_cache build/learner
+	rm -rf runs solutions/runs lessons/runs bench_results .pytest_cache build/learner build/site build/site-src build/site-check

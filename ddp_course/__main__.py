@@ -5,6 +5,7 @@
     python -m ddp_course bench NAME [--key=value]   a benchmark (python -m ddp_course bench --help)
     python -m ddp_course check NN PATH              grade an exercise script
     python -m ddp_course check                      list every exercise and the command that grades it
+    python -m ddp_course progress                   where you stand: every exercise's state, and what is next
     python -m ddp_course multinode --nnodes=2 --nproc=8 [-- TRAIN ARGS]   torchrun lines and a Slurm script
 """
 
@@ -111,6 +112,10 @@ def main(argv: list[str] | None = None) -> int:
         from ddp_course.check import main as check
 
         return check(rest)
+    if cmd == "progress":
+        from ddp_course.check.progress import main as progress
+
+        return progress(rest)
     print(f"error: unknown command {cmd!r}.\n{__doc__}", file=sys.stderr)
     return 2
 

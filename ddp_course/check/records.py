@@ -68,7 +68,7 @@ def _graded_and_recorded(name: str, path: str | Path, grader, kwargs: dict, note
         verdict = dataclasses.replace(verdict, message=f"{verdict.message} {note}")  # a subclass keeps its records
     try:
         digest = sha256_file(path)
-        entry = {"file": show(path), "sha256": digest, "grader": grader.__name__,
+        entry = {"file": show(Path(path).resolve()), "sha256": digest, "grader": grader.__name__,
                  "grader_sha256": sha256_file(grader.__file__), "options": grader_options(grader, path, kwargs),
                  "started": started, "elapsed_s": round(time.time() - started, 3), "ok": verdict.ok,
                  "message": verdict.message}
@@ -79,3 +79,98 @@ def _graded_and_recorded(name: str, path: str | Path, grader, kwargs: dict, note
     except (OSError, TypeError, ValueError):
         pass  # no record (a read-only folder, an option that is not JSON): the verdict stands
     return verdict
+
+
+# --------------------------------------------------------------------------------------------------
+# exercises inside a notebook: their check cells note their verdicts the same way
+#
+# The exercise cell defines the answer (a function, or a variable such as ``answer_a``); the cell
+# below passes it to a check function of the lesson, decorated with ``notebook_exercise``. The
+# verdict is noted in ``runs/check/<NN>_<answer>.json`` of the notebook's folder, with the digest of
+# the exercise cell as the kernel ran it (``cell_digest``; the latest cell of the kernel's history
+# that binds the answer's name), so that ``python -m ddp_course progress`` can tell a cell edited
+# since from the one graded.
+
+def cell_digest(text: str) -> str:
+    """The sha256 of a cell's code, formatting and comments aside (its syntax tree, printed back)."""
+    import ast
+    import hashlib
+
+    try:
+        text = ast.unparse(ast.parse(text))
+    except SyntaxError:
+        pass
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def binds(text: str, name: str) -> bool:
+    """Whether the cell ``text`` defines ``name`` at its top level (a def, a class or an assignment)."""
+    import ast
+
+    try:
+        tree = ast.parse(text)
+    except SyntaxError:
+        return False
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.name == name:
+            return True
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+            node, (ast.AnnAssign, ast.AugAssign)) else []
+        if any(isinstance(t, ast.Name) and t.id == name for t in targets):
+            return True
+    return False
+
+
+def _kernel_cell(name: str) -> str | None:
+    """The latest cell this IPython kernel ran that binds ``name`` (None outside IPython)."""
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return None
+    shell = get_ipython()
+    history = shell.user_ns.get("In", []) if shell is not None else []
+    return next((cell for cell in reversed(history) if binds(cell, name)), None)
+
+
+def note_notebook_verdict(lesson: str, answer: str, verdict: Verdict, base: str | Path = ".",
+                          cell: str | None = None) -> None:
+    """Note the verdict on lesson ``lesson``'s in-notebook exercise (the one that defines ``answer``),
+    given on ``cell`` (default: the latest cell of this kernel that binds ``answer``)."""
+    import time
+
+    from ddp_course.metrics import write_json
+    from ddp_course.paths import show
+
+    name = f"{lesson}_{answer}"
+    notebook = next(iter(sorted(Path(base).glob(f"{lesson}_*.ipynb"))), None)
+    if notebook is None:  # not run from a folder of lesson notebooks (a test, a script): nothing to note
+        return
+    cell = _kernel_cell(answer) if cell is None else cell
+    entry = {"file": show(notebook.resolve()), "answer": answer, "cell_sha256": cell_digest(cell) if cell is not None else None,
+             "started": time.time(), "ok": verdict.ok, "message": verdict.message}
+    try:
+        older = [e for e in recorded(name, base) if e.get("file") != entry["file"]]
+        write_json(record_path(name, base), {"exercise": name, "verdicts": [entry, *older][:RECORD_KEEP]})
+    except (OSError, TypeError, ValueError):
+        pass
+
+
+def notebook_exercise(answer):
+    """Decorate an in-notebook exercise's check function (returning a Verdict) so that its verdict is
+    noted: ``answer`` is the name the exercise cell defines, or a function of the check's arguments
+    that gives it. The lesson is the one of the module the check function lives in."""
+    import functools
+    import re
+
+    def decorate(check):
+        lesson = re.search(r"\.l(\d\d)_", check.__module__ + ".").group(1)
+
+        @functools.wraps(check)
+        def checked(*args, **kwargs):
+            verdict = check(*args, **kwargs)
+            note_notebook_verdict(lesson, answer(*args, **kwargs) if callable(answer) else answer, verdict)
+            return verdict
+
+        return checked
+
+    return decorate

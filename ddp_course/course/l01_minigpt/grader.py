@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from ddp_course.check import Verdict, nearest, not_complete, run_exercise
+from ddp_course.check.records import notebook_exercise
 
 EXERCISE = "01_global_val_loss.py"  # the script this grades: lessons/exercises/01_global_val_loss.py
 
@@ -99,6 +100,7 @@ def grade(path: str | Path, timeout: float = 180) -> Verdict:
                          f"process, within {TOLERANCE:.0e}), with 2 and with 3 processes.")
 
 
+@notebook_exercise("causal_attention")
 def attention(fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]) -> Verdict:
     """Notebook 01: a hand-written causal attention must equal F.scaled_dot_product_attention."""
     g = torch.Generator().manual_seed(0)

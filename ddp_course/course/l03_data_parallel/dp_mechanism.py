@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
+from ddp_course.check.records import notebook_exercise
 from ddp_course.course import noise
 from ddp_course.parallel.dp import lm_loss
 
@@ -469,6 +470,7 @@ def compare_with_single(n_replicas: int = 3, batch: int = 8, steps: int = 3, *, 
     return comp
 
 
+@notebook_exercise("my_reduce")
 def check_reduce(fn: Callable[[Sequence[nn.Module]], None]):
     """Notebook exercise: a hand-written gradient reduction must make DP steps equal single-device steps.
 

@@ -29,6 +29,7 @@ import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from ddp_course.check.records import notebook_exercise
 from ddp_course.train import DTYPES, autocast
 
 LOW_PRECISIONS = ("bf16", "fp16")
@@ -403,6 +404,7 @@ def _update_problem(d_mine: torch.Tensor, d_ref: torch.Tensor, scale: float, ref
             "unscale_, clip, scaler.step, scaler.update, zero_grad).")
 
 
+@notebook_exercise("amp_step")
 def check_amp_step(fn: Callable[..., Any], *, device: torch.device | None = None, steps: int = 5,
                    spike_step: int = 2) -> Any:
     """Run ``fn(model, optimizer, scaler, x, y, grad_clip)`` -- one fp16 optimizer step -- next to the
