@@ -137,3 +137,20 @@ def test_every_lesson_notebook_ends_with_the_table():
     for path in sorted((ROOT / "solutions").glob("[0-9][0-9]_*.ipynb")):
         last = json.loads(path.read_text())["cells"][-1]
         assert last["cell_type"] == "code" and "progress()" in "".join(last["source"]), path.name
+
+
+def test_the_learners_notebooks_run_by_make_test_leave_every_exercise_they_graded_passed():
+    """``make test`` runs the learner's completed notebooks (build/learner) first; every exercise they
+    graded in this session -- scripts through ``check.grade``, notebook exercises through their check
+    cells in the kernel -- is passed and unchanged in the table of that folder. (Run alone, without the
+    notebooks, nothing was graded in this session and there is nothing to compare.)"""
+    import notebook_runs
+
+    folder = notebook_runs.folder(".")
+    if folder is None:
+        return
+    table = progress(folder)
+    graded = [i for i in table.items if i.when is not None and i.when >= notebook_runs.SESSION_START]
+    assert [(i.name, i.status()) for i in graded if not i.done] == []
+    names = {i.name for i in graded}
+    assert {"01_causal_attention", "03_my_reduce", "07_amp_step", "12_answer_a"} <= names, sorted(names)
