@@ -1,34 +1,13 @@
-"""Generate the learner copies in ``lessons/`` from the answer keys in ``solutions/``.
-
-The solutions are the single source. Each answer is marked once, in the solution::
-
-    # BEGIN SOLUTION hint: average the gradients with dist.all_reduce
-    dist.all_reduce(grad)
-    grad /= world_size
-    # END SOLUTION
-
-and the learner copy gets, at the indentation of the BEGIN line::
-
-    # TODO: average the gradients with dist.all_reduce
-    raise NotImplementedError("exercise: complete this part")
-
-A notebook code cell whose first line is ``# SOLUTION CELL [hint]`` becomes a cell with only those
-two lines. A notebook cell tagged ``solution-only`` is left out of the learner copy. Code cells lose
-their outputs and execution counts; markdown cells are copied unchanged.
+"""Write the learner copies in ``lessons/`` from the answer keys in ``solutions/``.
 
     python tools/make_lessons.py            # write lessons/*.ipynb and lessons/exercises/*.py
     python tools/make_lessons.py --check    # exit 1 if any learner file is stale, missing or orphaned
     python tools/make_lessons.py --prune    # write, and delete learner files that have no solution
     python tools/make_lessons.py --answered build/learner   # the lessons as a learner completes them
 
-``--answered DIR`` writes what a learner's *completed* work looks like: every lesson notebook with
-the answer in place of each TODO (the solution's lines, without the marker lines), the solutions'
-stored outputs kept (nbval compares against them), and ``DIR/exercises/*.py`` answered the same way.
-CI runs the notebooks there, so every cell a learner runs is executed, with the learner's files.
-
-Sources -> targets: ``solutions/*.ipynb -> lessons/*.ipynb`` and
-``solutions/exercises/*.py -> lessons/exercises/*.py``. This is the command line; the rewrite itself
-is ``ddp_course.check.rewrite`` (the grading harness regenerates an exercise's shipped copy with it).
+The command line only: the rewrite (the ``# BEGIN SOLUTION`` / ``# END SOLUTION`` / ``# SOLUTION
+CELL`` markers, the ``solution-only`` tag, what ``--answered`` writes) is ``ddp_course.check.rewrite``,
+whose docstring describes it; the grading harness uses the same rewrite.
 """
 
 from __future__ import annotations
