@@ -58,18 +58,33 @@ def test_a_fresh_copy_has_nothing_started_and_next_is_the_first_exercise(lessons
     assert elapsed < 1.0, f"progress took {elapsed:.2f}s: it reads files, it must not start anything"
 
 
-def test_a_passed_a_failing_and_an_edited_exercise(lessons):
+def _answer(lessons: Path) -> Path:
+    """The learner writes an answer in place of the script's stubs."""
     path = lessons / "exercises" / f"{SCRIPT}.py"
     path.write_text(path.read_text().replace('raise NotImplementedError("exercise: complete this part")', "pass"))
-    _grade(path, False, "the replicas differ after step 1\nmore detail")
-    row = _row(progress(lessons), f"exercises/{SCRIPT}.py")
-    assert row.state == "failing" and row.why == "the replicas differ after step 1" and not row.changed
-    assert "failing" in row.status() and row.when is not None
+    return path
 
-    _grade(path, True, "every rank equals the reference")
+
+def test_one_exercise_failing_shows_the_verdicts_first_line(lessons):
+    _grade(_answer(lessons), False, "the replicas differ after step 1\nmore detail")
+    row = _row(progress(lessons), f"exercises/{SCRIPT}.py")
+    assert (row.state, row.why, row.changed) == ("failing", "the replicas differ after step 1", False)
+    assert row.status().startswith("failing ") and row.when is not None
+    assert progress(lessons).next.lesson == "01"  # lesson 01 has work left before lesson 05
+
+
+def test_one_exercise_passed(lessons):
+    path = _answer(lessons)
+    _grade(path, False, "the replicas differ after step 1")
+    _grade(path, True, "every rank equals the reference")  # the same bytes graded again: the newer verdict
     row = _row(progress(lessons), f"exercises/{SCRIPT}.py")
     assert (row.state, row.changed, row.done) == ("passed", False, True)
+    assert sum(i.done for i in progress(lessons).items) == 1
 
+
+def test_one_exercise_edited_after_passing(lessons):
+    path = _answer(lessons)
+    _grade(path, True, "every rank equals the reference")
     path.write_text(path.read_text() + "\n# a comment: the bytes changed\n")
     row = _row(progress(lessons), f"exercises/{SCRIPT}.py")
     assert (row.state, row.changed, row.done) == ("passed", True, False)
@@ -77,8 +92,7 @@ def test_a_passed_a_failing_and_an_edited_exercise(lessons):
 
 
 def test_written_but_never_graded_is_not_checked(lessons):
-    path = lessons / "exercises" / f"{SCRIPT}.py"
-    path.write_text(path.read_text().replace('raise NotImplementedError("exercise: complete this part")', "pass"))
+    _answer(lessons)
     assert _row(progress(lessons), f"exercises/{SCRIPT}.py").state == "not checked"
 
 
