@@ -403,16 +403,30 @@ def test_cuda_state_round_trip(tmp_path, fmt):
 
 # --- ZeRO-1 (--strategy=zero1): the same job, resumed after the same crash, ends where DDP's ends --------
 
-@pytest.mark.timeout(300)
+@pytest.fixture(scope="module")
+def zero1_runs(tmp_path_factory) -> dict:
+    """Lesson 08's crashed job under --strategy=zero1, in each format; the two jobs run side by side."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    root = tmp_path_factory.mktemp("zero1")
+
+    def crashed(fmt: str):
+        return run(TRAIN, nproc=2, out_dir=root / fmt, timeout=250, progress=False, echo="none",
+                   torchrun_args=["--max-restarts=1"], env=RESTART_ENV, **CRASH, ckpt_format=fmt,
+                   **{**BASE, "strategy": "zero1"})
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        return dict(zip(checkpoint.FORMATS, pool.map(crashed, checkpoint.FORMATS)))
+
+
+@pytest.mark.timeout(400)
 @pytest.mark.parametrize("fmt", checkpoint.FORMATS)
-def test_zero1_restarted_job_equals_the_uninterrupted_ddp_one(runs, tmp_path, fmt):
+def test_zero1_restarted_job_equals_the_uninterrupted_ddp_one(runs, zero1_runs, fmt):
     """ZeRO-1 changes where AdamW's state lives, not the arithmetic: DDP's all-reduced gradients, then
     AdamW's element-wise update of each tensor by its owner. So on the CPU no tolerance is needed: the
     crashed and resumed ZeRO-1 job (its optimizer state gathered from both ranks into the checkpoint,
     then dealt out again) must end bit for bit where the uninterrupted DDP job ends."""
-    ref = runs["reference"]
-    r = run(TRAIN, nproc=2, out_dir=tmp_path / "zero1", timeout=200, progress=False, echo="none",
-            torchrun_args=["--max-restarts=1"], env=RESTART_ENV, **CRASH, ckpt_format=fmt, **{**BASE, "strategy": "zero1"})
+    ref, r = runs["reference"], zero1_runs[fmt]
     assert f"resumed from {show(checkpoint.checkpoint_path(r.out_dir, CKPT, fmt))} at step {CKPT}" in r.output
     rows = [(x["step"], x["loss"], x["grad_norm"]) for x in r.train_rows]
     assert rows == [(x["step"], x["loss"], x["grad_norm"]) for x in ref.train_rows]

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import notebook_runs
 import pytest
-from harness import ROOT, answered_exercise, exercise_attempt
+from harness import ROOT, answered_exercise, exercise_attempt, grade_in_pairs
 
 from ddp_course.course.l08_checkpointing import grader
 
@@ -44,47 +44,67 @@ def test_solution_passes_both_crashes(tmp_path):
     assert "resumed at step" in verdict.message and "the save is atomic" in verdict.message
 
 
-@pytest.mark.timeout(400)
-def test_save_straight_onto_the_path_is_rejected(tmp_path):
+STRAIGHT = (GATHER + "    if info.rank == 0:\n" + STATE +
+            "        torch.save(state, path)\n"
+            "    dist.barrier()\n")
+REMOVE_FIRST = (GATHER + "    if info.rank == 0:\n" + STATE +
+                "        tmp = path.with_name(path.name + '.tmp')\n"
+                "        path.unlink(missing_ok=True)\n"
+                "        torch.save(state, tmp)\n"
+                "        os.rename(tmp, path)\n"
+                "    dist.barrier()\n")
+RANK0_RNG = ("    if info.rank == 0:\n"
+             '        state = {"step": step, "model": model.module.state_dict(), '
+             '"optimizer": optimizer.state_dict(),\n'
+             '                 "rng": [torch.get_rng_state()] * info.world_size}\n'
+             "        tmp = path.with_name(path.name + '.tmp')\n"
+             "        torch.save(state, tmp)\n"
+             "        os.replace(tmp, path)\n"
+             "    dist.barrier()\n")
+
+
+@pytest.fixture(scope="module")
+def mistakes(tmp_path_factory) -> dict:
+    """{mistake: verdict}, graded two jobs at a time (``harness.grade_in_pairs``). "remove first" runs
+    the grader's kill-during-save check alone: it is the part that tells that mistake apart."""
+    tmp = tmp_path_factory.mktemp("ex08")
+    attempts = {}
+    for name, body in (("straight", STRAIGHT), ("remove first", REMOVE_FIRST), ("rank 0 rng", RANK0_RNG)):
+        folder = tmp / name.replace(" ", "_")  # one folder each: the grader writes its runs beside the script
+        folder.mkdir()
+        attempts[name] = attempt(folder, "save_checkpoint", body)
+
+    def grade(path: Path):
+        if path == attempts["remove first"]:
+            return grader._kill_during_save(path, path.parent / "scratch", timeout=120)
+        return grader.grade(path, timeout=180)
+
+    return grade_in_pairs(grade, attempts)
+
+
+@pytest.mark.timeout(600)
+def test_save_straight_onto_the_path_is_rejected(mistakes):
     # The classic: torch.save(state, path). The restart after a crash long after the save resumes
     # exactly; only a kill during the write shows the truncated file.
-    path = attempt(tmp_path, "save_checkpoint", GATHER + "    if info.rank == 0:\n" + STATE +
-                   "        torch.save(state, path)\n"
-                   "    dist.barrier()\n")
-    verdict = grader.grade(path, timeout=180)
+    verdict = mistakes["straight"]
     assert not verdict.ok
     assert "the resume is exact, but" in verdict.message, verdict.message
     assert "truncated file" in verdict.message and "straight onto path" in verdict.message, verdict.message
     assert "temporary file in the same folder" in verdict.message and "os.replace" in verdict.message
 
 
-@pytest.mark.timeout(200)
-def test_removing_the_old_checkpoint_before_writing_is_rejected(tmp_path):
+@pytest.mark.timeout(600)
+def test_removing_the_old_checkpoint_before_writing_is_rejected(mistakes):
     # A temporary file, but the old checkpoint deleted first: a kill in between leaves nothing at all.
-    path = attempt(tmp_path, "save_checkpoint", GATHER + "    if info.rank == 0:\n" + STATE +
-                   "        tmp = path.with_name(path.name + '.tmp')\n"
-                   "        path.unlink(missing_ok=True)\n"
-                   "        torch.save(state, tmp)\n"
-                   "        os.rename(tmp, path)\n"
-                   "    dist.barrier()\n")
-    verdict = grader._kill_during_save(path, tmp_path / "scratch", timeout=120)
+    verdict = mistakes["remove first"]
     assert not verdict.ok
     assert "no checkpoint at path" in verdict.message and "os.replace" in verdict.message, verdict.message
 
 
-@pytest.mark.timeout(400)
-def test_only_rank_0s_rng_state_saved_is_rejected(tmp_path):
+@pytest.mark.timeout(600)
+def test_only_rank_0s_rng_state_saved_is_rejected(mistakes):
     # Rank 0 saves its own generator: rank 1 resumes with rank 0's dropout masks.
-    path = attempt(tmp_path, "save_checkpoint",
-                   "    if info.rank == 0:\n"
-                   '        state = {"step": step, "model": model.module.state_dict(), '
-                   '"optimizer": optimizer.state_dict(),\n'
-                   '                 "rng": [torch.get_rng_state()] * info.world_size}\n'
-                   "        tmp = path.with_name(path.name + '.tmp')\n"
-                   "        torch.save(state, tmp)\n"
-                   "        os.replace(tmp, path)\n"
-                   "    dist.barrier()\n")
-    verdict = grader.grade(path, timeout=180)
+    verdict = mistakes["rank 0 rng"]
     assert not verdict.ok
     assert "got rank 0's RNG state" in verdict.message, verdict.message
 
