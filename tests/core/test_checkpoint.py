@@ -5,8 +5,9 @@ errors; the position in the data carries over to another world size; exercise 08
 
 The crashed and uninterrupted jobs are lesson 08's (section 4), with its settings: in ``make test``
 the notebook's runs of the uninterrupted job, of the sharded crash-and-restart and of the 4-rank
-reload are read (``notebook_runs``) instead of being launched again; the full-format crash is not in
-the lesson and always runs here."""
+reload are read (``notebook_runs``) instead of being launched again. The same crash under
+``--strategy=zero1`` (DDP with ``ZeroRedundancyOptimizer``), in both formats, is not in the lesson
+and always runs here: it must end where the uninterrupted DDP job ends, bit for bit."""
 
 from __future__ import annotations
 
@@ -57,26 +58,47 @@ def _final(out_dir: Path) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
-    """An uninterrupted 2-rank DDP run, and the same run crashed on rank 1 and restarted by torchrun, per format
-    (lesson 08's runs of the same jobs when it ran them in this session)."""
+    """An uninterrupted 2-rank DDP run and the same run crashed on rank 1 and restarted by torchrun, with
+    sharded checkpoints (lesson 08's runs of the same jobs when it ran them in this session)."""
     root = tmp_path_factory.mktemp("ckpt")
-    out = {"reference": notebook_runs.reuse("runs/08_uninterrupted", TRAIN, 2, **BASE) or
-           run(TRAIN, nproc=2, out_dir=root / "reference", timeout=150, progress=False, echo="none", **BASE)}
     restart = {"torchrun_args": ["--max-restarts=1"], "env": RESTART_ENV}
-    for fmt in checkpoint.FORMATS:
-        out[fmt] = (notebook_runs.reuse("runs/08_elastic", TRAIN, 2, **restart, **CRASH, ckpt_format=fmt, **BASE)
-                    if fmt == "sharded" else None) or \
-            run(TRAIN, nproc=2, out_dir=root / fmt, timeout=200, progress=False, echo="none", **restart, **CRASH,
-                ckpt_format=fmt, **BASE)
-    return out
+    return {"reference": notebook_runs.reuse("runs/08_uninterrupted", TRAIN, 2, **BASE) or
+            run(TRAIN, nproc=2, out_dir=root / "reference", timeout=150, progress=False, echo="none", **BASE),
+            "sharded": notebook_runs.reuse("runs/08_elastic", TRAIN, 2, **restart, **CRASH, ckpt_format="sharded", **BASE)
+            or run(TRAIN, nproc=2, out_dir=root / "sharded", timeout=200, progress=False, echo="none", **restart,
+                   **CRASH, ckpt_format="sharded", **BASE)}
+
+
+@pytest.fixture(scope="module")
+def zero1_runs(tmp_path_factory) -> dict:
+    """Lesson 08's crashed job under --strategy=zero1, in each format; the two jobs run side by side."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    root = tmp_path_factory.mktemp("zero1")
+
+    def crashed(fmt: str):
+        return run(TRAIN, nproc=2, out_dir=root / fmt, timeout=250, progress=False, echo="none",
+                   torchrun_args=["--max-restarts=1"], env=RESTART_ENV, **CRASH, ckpt_format=fmt,
+                   **{**BASE, "strategy": "zero1"})
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        return dict(zip(checkpoint.FORMATS, pool.map(crashed, checkpoint.FORMATS)))
 
 
 # --- exact resume after a crash, torchrun restarting the job ---------------------------------------------
 
+# Every (strategy, format) crash below must end bit for bit where the uninterrupted DDP job ends. The
+# full format runs under ZeRO-1 only: DDP's full checkpoints are written by the reference job and read
+# back by 1 and 4 ranks further down, and ZeRO-1 changes where AdamW's state lives, not the arithmetic
+# (DDP's all-reduced gradients, then AdamW's element-wise update of each tensor by its owner), so its
+# resumed job must match DDP's to the last bit as well.
+CRASHED = [("ddp", "sharded"), ("zero1", "full"), ("zero1", "sharded")]
+
+
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("fmt", checkpoint.FORMATS)
-def test_restarted_job_equals_the_uninterrupted_one(runs, fmt):
-    ref, r = runs["reference"], runs[fmt]
+@pytest.mark.parametrize("strategy, fmt", CRASHED)
+def test_restarted_job_equals_the_uninterrupted_one(runs, zero1_runs, strategy, fmt):
+    ref, r = runs["reference"], (runs[fmt] if strategy == "ddp" else zero1_runs[fmt])
     # it really crashed once and resumed from the step-40 checkpoint on torchrun's second attempt
     assert f"injected failure on rank 1 at step {FAIL_AT}" in r.output
     assert f"resumed from {show(checkpoint.checkpoint_path(r.out_dir, CKPT, fmt))} at step {CKPT}" in r.output
@@ -91,6 +113,16 @@ def test_restarted_job_equals_the_uninterrupted_one(runs, fmt):
     final, ref_final = _final(r.out_dir), _final(ref.out_dir)
     assert final.keys() == ref_final.keys()
     assert all(torch.equal(final[k], ref_final[k]) for k in ref_final)
+
+
+def test_a_zero1_checkpoint_holds_the_same_adamw_state_as_ddps(runs, zero1_runs):
+    """ZeRO-1 gathers every rank's part of AdamW into the file, keyed by parameter name: the same
+    entries, equal to the last bit, as the DDP job's own step-40 checkpoint."""
+    mine, ddp = (checkpoint.load(checkpoint.checkpoint_path(r.out_dir, CKPT, "full"))["optimizer"]
+                 for r in (zero1_runs["full"], runs["reference"]))
+    assert mine["state"].keys() == ddp["state"].keys()
+    assert all(torch.equal(mine["state"][k][n], v) for k, st in ddp["state"].items() for n, v in st.items())
+    assert [g["params"] for g in mine["param_groups"]] == [g["params"] for g in ddp["param_groups"]]
 
 
 def test_sharded_checkpoint_has_a_part_from_every_rank(runs):
@@ -399,40 +431,3 @@ def test_cuda_state_round_trip(tmp_path, fmt):
     checkpoint.resume(checkpoint.latest(tmp_path), model2, opt2, None, gpu, SHAPE)
     assert next(model2.parameters()).is_cuda and checkpoint.fingerprint(model2, opt2) == want
     assert torch.equal(torch.rand(4, device=gpu.device), draw)
-
-
-# --- ZeRO-1 (--strategy=zero1): the same job, resumed after the same crash, ends where DDP's ends --------
-
-@pytest.fixture(scope="module")
-def zero1_runs(tmp_path_factory) -> dict:
-    """Lesson 08's crashed job under --strategy=zero1, in each format; the two jobs run side by side."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    root = tmp_path_factory.mktemp("zero1")
-
-    def crashed(fmt: str):
-        return run(TRAIN, nproc=2, out_dir=root / fmt, timeout=250, progress=False, echo="none",
-                   torchrun_args=["--max-restarts=1"], env=RESTART_ENV, **CRASH, ckpt_format=fmt,
-                   **{**BASE, "strategy": "zero1"})
-
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        return dict(zip(checkpoint.FORMATS, pool.map(crashed, checkpoint.FORMATS)))
-
-
-@pytest.mark.timeout(400)
-@pytest.mark.parametrize("fmt", checkpoint.FORMATS)
-def test_zero1_restarted_job_equals_the_uninterrupted_ddp_one(runs, zero1_runs, fmt):
-    """ZeRO-1 changes where AdamW's state lives, not the arithmetic: DDP's all-reduced gradients, then
-    AdamW's element-wise update of each tensor by its owner. So on the CPU no tolerance is needed: the
-    crashed and resumed ZeRO-1 job (its optimizer state gathered from both ranks into the checkpoint,
-    then dealt out again) must end bit for bit where the uninterrupted DDP job ends."""
-    ref, r = runs["reference"], zero1_runs[fmt]
-    assert f"resumed from {show(checkpoint.checkpoint_path(r.out_dir, CKPT, fmt))} at step {CKPT}" in r.output
-    rows = [(x["step"], x["loss"], x["grad_norm"]) for x in r.train_rows]
-    assert rows == [(x["step"], x["loss"], x["grad_norm"]) for x in ref.train_rows]
-    final, ref_final = _final(r.out_dir), _final(ref.out_dir)
-    assert all(torch.equal(final[k], ref_final[k]) for k in ref_final)
-    if fmt == "full":  # the file holds every parameter's AdamW state, by name, equal to DDP's own checkpoint
-        mine, ddp = (checkpoint.load(checkpoint.checkpoint_path(d, CKPT, fmt))["optimizer"] for d in (r.out_dir, ref.out_dir))
-        assert mine["state"].keys() == ddp["state"].keys()
-        assert all(torch.equal(mine["state"][k][n], v) for k, s in ddp["state"].items() for n, v in s.items())

@@ -127,11 +127,15 @@ def test_device_cuda_without_a_gpu_exits_2_pointing_at_auto(tiny, tmp_path):
 def test_resume_after_a_failure_matches_the_uninterrupted_run(tiny, tmp_path):
     base = {**tiny, "max_steps": 20, "lr": 3e-3, "ckpt_interval": 10, "threads": 1}
     a, b = tmp_path / "a", tmp_path / "b"
-    run_train(to_cli({**base, "out_dir": str(a)}))
+    # A, uninterrupted, and B: the same run, killed by the injected failure after step index 10 (the
+    # 11th update), i.e. after the step-10 checkpoint was written; max_steps stays 20 so the LR
+    # schedule is the same. A and B's first attempt are independent: they run side by side.
+    from concurrent.futures import ThreadPoolExecutor
 
-    # B: the same run, killed by the injected failure after step index 10 (the 11th update), i.e.
-    # after the step-10 checkpoint was written; max_steps stays 20 so the LR schedule is the same.
-    proc = run_train(to_cli({**base, "out_dir": str(b), "fail_at_step": 10}), check=False)
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        first = pool.submit(run_train, to_cli({**base, "out_dir": str(a)}))
+        proc = run_train(to_cli({**base, "out_dir": str(b), "fail_at_step": 10}), check=False)
+        first.result()
     assert proc.returncode != 0
     assert "injected failure" in proc.stdout + proc.stderr
     assert not (b / "summary.json").exists()

@@ -56,15 +56,49 @@ def no_launcher(message: str) -> None:
     assert not found, f"torchrun's report in the verdict ({found}):\n{message}"
 
 
-def test_a_name_error_on_one_rank_names_the_learners_line_in_every_exercise(tmp_path):
-    line = f"answer = undefined_answer_name if {ON_RANK_1} else None"
-    attempts = {name: attempt(tmp_path, name, line) for name in EXERCISES}
-    verdicts = grade_in_pairs(lambda p: check.grade(p.stem, p), {n: p for n, (p, _) in attempts.items()})
-    for name, (path, n) in attempts.items():
-        msg = str(verdicts[name])
-        assert not verdicts[name].ok, name
+NAME_ERROR = f"answer = undefined_answer_name if {ON_RANK_1} else None"
+HANGS = ("05_my_ddp", "10_dataloader")
+HANG_LINE = f'while {ON_RANK_1}: __import__("time").sleep(0.1)'
+IMPORT_ERROR = "from torch.distributed import all_reducee"
+ONE_RANK_ONLY = 'if __import__("os").environ.get("RANK") == "0": dist.all_reduce(torch.ones(1))'
+HANG_TIMEOUT = 25  # s: the ranks reach the hang in about 5 s here, alone or beside the other jobs
+
+
+@pytest.fixture(scope="module")
+def graded(tmp_path_factory) -> dict:
+    """The verdicts on every exercise with a NameError on rank 1, on two with rank 1 stuck in its TODO,
+    on a misspelled import and on a collective called by rank 0 only:
+    {("name error" | "hang" | "import" | "one rank", exercise): ((path, line), verdict)}.
+
+    A hanging job spends its time waiting for its timeout, so the two hangs are graded in the
+    background while the NameError attempts are graded two at a time beside them; the hangs get a
+    few seconds' head start to reach their hang before the others compete for the cores.
+    """
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    tmp = tmp_path_factory.mktemp("wrong")
+    hangs = {name: attempt(tmp / "hang", name, HANG_LINE) for name in HANGS}
+    with ThreadPoolExecutor(max_workers=len(HANGS)) as background:
+        waiting = {name: background.submit(check.grade, name, path, timeout=HANG_TIMEOUT)
+                   for name, (path, _) in hangs.items()}
+        time.sleep(5)
+        errors = {("name error", name): attempt(tmp / "name_error", name, NAME_ERROR) for name in EXERCISES}
+        errors["import", "06_no_sync"] = attempt(tmp / "import", "06_no_sync", IMPORT_ERROR, top=True)
+        errors["one rank", "01_global_val_loss"] = attempt(tmp / "one_rank", "01_global_val_loss", ONE_RANK_ONLY)
+        verdicts = grade_in_pairs(lambda p: check.grade(p.stem, p), {k: p for k, (p, _) in errors.items()})
+        found = {key: (errors[key], verdicts[key]) for key in errors}
+        found.update({("hang", n): (hangs[n], future.result()) for n, future in waiting.items()})
+    return found
+
+
+def test_a_name_error_on_one_rank_names_the_learners_line_in_every_exercise(graded):
+    for name in EXERCISES:
+        (path, n), verdict = graded["name error", name]
+        msg = str(verdict)
+        assert not verdict.ok, name
         assert "rank 1 raised NameError: name 'undefined_answer_name' is not defined" in msg, f"{name}:\n{msg}"
-        assert frame(path, n) in msg and line in msg, f"{name}: the learner's line {n} is not shown:\n{msg}"
+        assert frame(path, n) in msg and NAME_ERROR in msg, f"{name}: the learner's line {n} is not shown:\n{msg}"
         assert "rank 0 then lost its peer" in msg or "rank 0 was stopped" in msg, f"{name}:\n{msg}"
         no_launcher(msg)
 
@@ -85,18 +119,11 @@ def test_a_syntax_error_is_reported_before_any_process_starts(tmp_path, monkeypa
     assert frame(path, n) in msg and "^" in msg, msg
 
 
-HANGS = ("05_my_ddp", "10_dataloader")
-
-
-def test_a_rank_that_never_joins_shows_where_each_rank_waits(tmp_path):
-    """Two exercises, each with rank 1 stuck in its TODO; graded side by side (both jobs mostly wait)."""
-    attempts = {name: attempt(tmp_path, name, f'while {ON_RANK_1}: __import__("time").sleep(0.1)')
-                for name in HANGS}
-    verdicts = grade_in_pairs(lambda p: check.grade(p.stem, p, timeout=25), {n: p for n, (p, _) in attempts.items()})
-    for name, (path, n) in attempts.items():
-        verdict = verdicts[name]
+def test_a_rank_that_never_joins_shows_where_each_rank_waits(graded):
+    for name in HANGS:
+        (path, n), verdict = graded["hang", name]
         msg = verdict.message
-        assert not verdict.ok and "did not finish within 25s" in msg, msg
+        assert not verdict.ok and f"did not finish within {HANG_TIMEOUT}s" in msg, msg
         rank0, rank1 = msg.split("rank 0 was at")[1].split("rank 1 was at")
         assert frame(path, n) in rank1, f"{name}: rank 1's stuck line {n} is not shown:\n{msg}"
         assert re.search(r"\(waiting inside torch\.distributed\.distributed_c10d\.(broadcast|barrier|all_reduce)\)",
@@ -115,18 +142,14 @@ def _cmdline(pid: int) -> bytes:
         return b""
 
 
-def test_an_import_error_at_the_top_and_a_collective_on_one_rank(tmp_path):
-    imported, n_import = attempt(tmp_path / "a", "06_no_sync", "from torch.distributed import all_reducee", top=True)
-    one_rank, n_one = attempt(tmp_path / "b", "01_global_val_loss",
-                              'if __import__("os").environ.get("RANK") == "0": dist.all_reduce(torch.ones(1))')
-    verdicts = grade_in_pairs(lambda p: check.grade(p.stem, p), {"import": imported, "one rank": one_rank})
-    msg = verdicts["import"].message
-    assert "ranks 0 and 1 raised ImportError: cannot import name 'all_reducee'" in msg, msg
-    assert frame(imported, n_import) in msg, msg
-    msg = verdicts["one rank"].message
+def test_an_import_error_at_the_top_and_a_collective_on_one_rank(graded):
+    (imported, n_import), verdict = graded["import", "06_no_sync"]
+    assert "ranks 0 and 1 raised ImportError: cannot import name 'all_reducee'" in verdict.message, verdict.message
+    assert frame(imported, n_import) in verdict.message, verdict.message
+    (one_rank, n_one), other = graded["one rank", "01_global_val_loss"]
     # gloo pairs rank 0's extra all-reduce with rank 1's next one, of another size, and aborts (or fails)
-    assert frame(one_rank, n_one) in msg and "all_reduce" in msg, msg
-    for v in verdicts.values():
+    assert frame(one_rank, n_one) in other.message and "all_reduce" in other.message, other.message
+    for v in (verdict, other):
         no_launcher(v.message)
 
 

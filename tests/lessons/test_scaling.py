@@ -124,15 +124,20 @@ def test_two_agents_c10d_rendezvous_train_minigpt(tmp_path):
     from ddp_course.metrics import read_jsonl
 
     flags = {**TINY, "max_steps": 6, "log_interval": 2, "threads": 1, "device": "cpu"}
+    from concurrent.futures import ThreadPoolExecutor
+
     two = tmp_path / "two_nodes"
-    cmds = run_two_nodes(two, nproc_per_node=1, timeout=120, rendezvous="c10d",
-                         script=["-m", "ddp_course.train", *to_cli({**flags, "strategy": "ddp",
-                                                                      "out_dir": str(two)})])
+    with ThreadPoolExecutor(max_workers=1) as pool:  # the one-process reference runs beside the two agents
+        reference = pool.submit(run, "ddp_course.train", nproc=1, strategy="single", out_dir=tmp_path / "one",
+                                timeout=120, progress=False, echo="none",
+                                **{**flags, "micro_batch_size": 2 * TINY["micro_batch_size"]})
+        cmds = run_two_nodes(two, nproc_per_node=1, timeout=120, rendezvous="c10d",
+                             script=["-m", "ddp_course.train", *to_cli({**flags, "strategy": "ddp",
+                                                                          "out_dir": str(two)})])
+        one = reference.result()
     assert all("--rdzv_backend=c10d" in c for c in cmds)
     config = json.loads((two / "config.json").read_text())
     assert config["world_size"] == 2
-    one = run("ddp_course.train", nproc=1, strategy="single", out_dir=tmp_path / "one", timeout=120, progress=False,
-              echo="none", **{**flags, "micro_batch_size": 2 * TINY["micro_batch_size"]})
     a = [r["loss"] for r in read_jsonl(two / "metrics.jsonl") if "loss" in r]
     b = [r["loss"] for r in one.train_rows]
     # same global batch, same samples: float32 summation order only (~1e-7); wrong data differs by 1e-2
