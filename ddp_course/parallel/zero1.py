@@ -9,10 +9,10 @@ partition of whole tensors by size, per parameter group); a rank builds AdamW ov
 owns only, so it keeps 1/N of AdamW's two moments, steps its own parameters, and then broadcasts
 them to the others. The arithmetic of each update is DDP's, so the weights follow DDP's.
 
-A checkpoint holds the optimizer state in the same form as every other strategy's (keyed by
-parameter name, every parameter's state): a ``zero1`` run resumes from a ``ddp`` checkpoint and the
-reverse. Saving first gathers every rank's part to rank 0 (``consolidate_state_dict``, a
-collective); loading gives each rank the whole state, of which it keeps the part it owns.
+A checkpoint holds the optimizer state in the same form as DDP's (keyed by parameter name, every
+parameter's state; ``tests/core/test_checkpoint.py`` compares the two files entry by entry). Saving
+first gathers every rank's part to rank 0 (``consolidate_state_dict``, a collective); loading gives
+each rank the whole state, of which it keeps the part it owns.
 """
 
 from __future__ import annotations
