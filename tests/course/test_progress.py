@@ -116,9 +116,17 @@ def test_a_notebook_exercise_edited_after_passing(lessons):
 def test_a_check_cell_in_a_kernel_records_the_cell_it_ran(lessons):
     """Lesson 03's exercise answered and its check cell run in a real kernel (nbclient, as JupyterLab
     runs a notebook): the record carries the digest of the cell the kernel ran, so the table shows it
-    passed and unchanged once the notebook is saved with that cell."""
+    passed and unchanged once the notebook is saved with that cell. Under ``make test`` the learner's
+    notebooks did exactly that in this session (build/learner): their record is read instead."""
     import nbformat
+    import notebook_runs
     from nbclient import NotebookClient
+
+    ran = notebook_runs.folder(".")
+    if ran is not None and notebook_runs.fresh(ran / "runs" / "check" / "03_my_reduce.json"):
+        row = next(i for i in progress(ran).items if i.name == "03_my_reduce")
+        assert (row.state, row.changed) == ("passed", False), row
+        return
 
     nb_path = lessons / "03_data_parallel.ipynb"
     nb = nbformat.read(nb_path, as_version=4)

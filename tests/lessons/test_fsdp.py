@@ -14,7 +14,7 @@ import shutil
 import notebook_runs
 import pytest
 import torch
-from harness import ROOT
+from harness import ROOT, answered_exercise
 
 from ddp_course import checkpoint
 from ddp_course.config import ConfigError, TrainConfig
@@ -248,12 +248,14 @@ def test_the_refused_fsdp1_hybrid_really_does_not_synchronise(lab2):
 # --- exercise 09 -------------------------------------------------------------------------------------
 
 @pytest.mark.timeout(240)
-def test_grader_passes_the_solution_and_explains_wrong_sharding():
+def test_grader_passes_the_solution_and_explains_wrong_sharding(tmp_path):
     from ddp_course.course.l09_fsdp import grader
 
-    path = ROOT / "solutions" / "exercises" / "09_fsdp.py"
-    found = grader.collect(path, timeout=180)  # what grade() runs: the script on 2 ranks
-    assert isinstance(found, list), found
+    path = tmp_path / "09_fsdp.py"
+    path.write_text(answered_exercise(path.name))
+    verdict = notebook_runs.grade("09_fsdp", path, timeout=180)  # lesson 09's grading cell's, when it graded these bytes
+    assert verdict.ok, verdict.message
+    found = verdict.records  # the RESULT rows of the script's run on 2 ranks
     constants = grader.harness_constants(path)
     reference = grader.reference_norms(constants)
     verdict = grader.diagnose(found, reference, constants["LR"])

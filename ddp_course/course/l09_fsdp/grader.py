@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ddp_course.check import Verdict, run_exercise
+from ddp_course.check import GradedRun, Verdict, run_exercise
 
 EXERCISE = "09_fsdp.py"  # the script this grades: lessons/exercises/09_fsdp.py
 
@@ -121,4 +121,5 @@ def grade(path: str | Path, timeout: float = 180) -> Verdict:
     if isinstance(found, Verdict):
         return found
     constants = harness_constants(path)
-    return diagnose(found, reference_norms(constants), constants["LR"])
+    verdict = diagnose(found, reference_norms(constants), constants["LR"])
+    return GradedRun(verdict.ok, verdict.message, found)  # what the job measured, kept with the verdict
