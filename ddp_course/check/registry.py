@@ -8,8 +8,6 @@ import dataclasses
 import functools
 from pathlib import Path
 
-from ddp_course.check.verdicts import STUB
-
 ROOT = Path(__file__).resolve().parents[2]  # the repository beside the package (lessons/, solutions/)
 
 
@@ -91,21 +89,11 @@ def _key(exercise: Exercise) -> str:
 
 
 def notebook_exercises() -> list[tuple[str, str]]:
-    """(lesson notebook, exercise heading) of every exercise done inside a notebook of ``lessons/``
-    (a cell that still raises the stub), each graded by the cell below it; [] without ``lessons/``."""
-    import json
+    """(lesson notebook, exercise heading) of every exercise done inside a notebook, each graded by
+    the cell below it (``ddp_course.check.progress.notebook_exercises`` finds them)."""
+    from ddp_course.check.progress import notebook_exercises as found
 
-    found = []
-    for nb in sorted((ROOT / "lessons").glob("[0-9][0-9]_*.ipynb")):
-        heading = ""
-        for cell in json.loads(nb.read_text(encoding="utf-8"))["cells"]:
-            text = "".join(cell["source"])
-            if cell["cell_type"] == "markdown":
-                heading = next((line.lstrip("#").strip() for line in text.splitlines() if line.startswith("#")),
-                               heading)
-            elif STUB in text and (nb.name, heading) not in found:
-                found.append((nb.name, heading))
-    return found
+    return list(dict.fromkeys((ex.notebook, ex.heading) for ex in found(ROOT / "lessons")))
 
 
 def listing() -> str:

@@ -39,7 +39,9 @@ wrapper it is. A model nobody wrapped here gets the defaults, which are right fo
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
+import sys
 import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -85,10 +87,13 @@ def adamw(model: nn.Module, cfg: Any, device: torch.device, ndims: dict[str, int
 
 
 def without_compile(model: nn.Module) -> nn.Module:
-    """The module ``torch.compile`` wrapped, or the model itself."""
-    from torch._dynamo.eval_frame import OptimizedModule
+    """The module ``torch.compile`` wrapped, or the model itself.
 
-    return model._orig_mod if isinstance(model, OptimizedModule) else model
+    Called on every micro-step (through :func:`strategy_of`): it never imports ``torch._dynamo``
+    (over a second), which a compiled model has loaded already.
+    """
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    return model._orig_mod if eval_frame is not None and isinstance(model, eval_frame.OptimizedModule) else model
 
 
 def _state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, options: StateDictOptions | None
@@ -158,8 +163,9 @@ class Strategy:
         return int(self._hook("devices_per_rank", lambda model: 1)(model))
 
 
+@functools.cache
 def get(name: str) -> Strategy:
-    """The plan of ``--strategy=name`` (its module is imported here)."""
+    """The plan of ``--strategy=name`` (its module is imported here, once)."""
     return Strategy(name)
 
 
