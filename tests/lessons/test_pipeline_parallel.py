@@ -114,6 +114,43 @@ def test_lab_refuses_bad_options():
     assert pp_lab.check_options(dict(pp_lab.DEFAULTS), 2) == [1, 2, 4, 8]
 
 
+def test_every_micro_batch_reaches_a_stage_contiguous(monkeypatch):
+    """PyTorch 2.10's ``PipelineStage`` refuses a micro-batch whose strides are not a contiguous
+    tensor's ("stride mismatch: expected (64, 1) actual (65, 1)"); 2.13's checks only under
+    TORCH_DISTRIBUTED_DEBUG=DETAIL, and against the first micro-batch's own strides, so a job on the
+    default PyTorch does not show the slip. Here the lab's batches go through ``library_schedule``'s
+    step into a stand-in schedule, are cut by the library's own splitter (what ``ScheduleGPipe.step``
+    does), and every micro-batch and the hand-written GPipe's chunks must be contiguous."""
+    from torch.distributed import pipelining
+    from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunks
+
+    seen: list[torch.Tensor] = []
+
+    class Schedule:  # records what the lab hands the schedule
+        def __init__(self, stage, n_microbatches, loss_fn):
+            self.m = n_microbatches
+
+        def step(self, *args, target=None, losses=None):
+            for t in (*args, *([] if target is None else [target])):
+                chunks, _ = split_args_kwargs_into_chunks((t,), None, self.m)
+                seen.extend(c[0] for c in chunks)
+
+    monkeypatch.setattr(pipelining, "ScheduleGPipe", Schedule)
+    monkeypatch.setattr(pipelining, "PipelineStage", lambda *a, **k: None)
+    opts = {**pp_lab.DEFAULTS, "n_layer": 2, "n_embd": 32, "n_head": 2, "block_size": 8, "batch_size": 8}
+    tokens = torch.arange(1000) % 65
+    (x, y), = pp_lab.batches(tokens, opts, 1, torch.device("cpu"))
+    model = pp_lab.build_model(opts, 65, torch.device("cpu"))
+    info = type("Info", (), {"world_size": 2, "device": torch.device("cpu")})
+    for s in range(2):
+        stage, _ = pp_lab.split_stages(model, s, 2)
+        pp_lab.library_schedule(stage, info, 4)(x, y)
+    assert len(seen) == 2 * 4 and all(t.shape == (2, 8) for t in seen)
+    for m in (1, 2, 4, 8):
+        seen.extend([*x.chunk(m), *y.chunk(m)])  # gpipe_step's micro-batches
+    assert all(t.is_contiguous() for t in seen), [t.stride() for t in seen if not t.is_contiguous()]
+
+
 # --- plan: unit tests -------------------------------------------------------------------------------
 
 SMALL = {"vocab_size": 65, "block_size": 16, "n_layer": 4, "n_head": 4, "n_embd": 32}

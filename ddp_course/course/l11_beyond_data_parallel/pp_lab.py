@@ -322,7 +322,12 @@ def batches(tokens: torch.Tensor, opts: dict[str, Any], n: int, device: torch.de
     for _ in range(n):
         starts = torch.randint(len(tokens) - T - 1, (B,), generator=g)
         win = torch.stack([tokens[s: s + T + 1] for s in starts.tolist()])
-        out.append((win[:, :-1].to(device), win[:, 1:].to(device)))
+        # contiguous: sliced from (T + 1)-token windows, inputs and targets would have a row stride of
+        # T + 1. PyTorch 2.10's PipelineStage checks every micro-batch against the metadata of a
+        # contiguous one and refuses it ("stride mismatch": forward_one_chunk -> _validate_fwd_input in
+        # torch/distributed/pipelining/stage.py, validate_tensor_metadata in _utils.py); a micro-batch
+        # cut from a contiguous batch along its first dimension is contiguous too
+        out.append((win[:, :-1].contiguous().to(device), win[:, 1:].contiguous().to(device)))
     return out
 
 
