@@ -6,15 +6,15 @@
 
 ``docs/torch_versions.json`` is the record: one row per version tried, with the commit it ran at. The
 rows whose ``role`` is ``floor`` (the version ``pyproject.toml`` asks for at least) or ``newest`` (the
-newest release tried) are *guarded*: they also hold the git blob hash of every version-sensitive file
-as it was at that commit. A file is version-sensitive when it imports one of the parts of PyTorch that
+newest release tried) are *guarded*: they also hold a digest of the code of every version-sensitive
+file as it was at that commit (its syntax tree without comments and docstrings, ``code_digest``). A file is version-sensitive when it imports one of the parts of PyTorch that
 changed behaviour between the releases the course was run on (``SENSITIVE_APIS``: the pipelining
 stage's stride check in 2.10, FSDP2's reduce op on gloo before 2.8, DCP's state dicts), or is named in
 ``ALSO`` with its reason. When any of them differs from what a guarded row measured, or a new one
 appears, ``check`` fails (``tests/course/test_torch_versions.py`` runs it in ``make test``) until the
 suite is rerun on that version (``make test-torch TORCH_SPEC="torch==X"`` on a fresh clone) and the
 row recorded again. The digests are computed from the files themselves, so a shallow clone checks the
-same way as a full one.
+same way as a full one; a reworded comment or docstring leaves a claim standing.
 """
 
 from __future__ import annotations
@@ -72,10 +72,17 @@ def sensitive_files(root: Path) -> list[str]:
     return sorted(found)
 
 
-def blob_hash(data: bytes) -> str:
-    """The hash git gives a file's content (``git hash-object``), so a row's digests can be read
-    from any commit with ``git rev-parse <commit>:<path>``."""
-    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+def code_digest(source: str) -> str:
+    """A digest of what a file *does*: its syntax tree without comments and docstrings, so that a
+    reworded comment leaves a version claim standing and any change of code does not."""
+    tree = ast.parse(source)
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if (isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and body
+                and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
+                and isinstance(body[0].value.value, str)):
+            node.body = body[1:] or [ast.Pass()]
+    return hashlib.sha256(ast.dump(tree).encode()).hexdigest()[:16]
 
 
 def load(root: Path) -> dict:
@@ -85,7 +92,7 @@ def load(root: Path) -> dict:
 def stale(root: Path) -> list[str]:
     """One line per way the guarded rows no longer describe the code at ``root``; empty when they do."""
     record = load(root)
-    now = {p: blob_hash((root / p).read_bytes()) for p in sensitive_files(root)}
+    now = {p: code_digest((root / p).read_text()) for p in sensitive_files(root)}
     problems = []
     for row in record["rows"]:
         if row.get("role") not in GUARDED_ROLES:
@@ -139,7 +146,7 @@ def record_run(root: Path, torch: str, commit: str, result: str, ran: str | None
     if ran:
         row["ran"] = ran
     if row.get("role") in GUARDED_ROLES:
-        row["files"] = {p: git(root, "rev-parse", f"{commit}:{p}") for p in sensitive_files(root)}
+        row["files"] = {p: code_digest(git(root, "show", f"{commit}:{p}")) for p in sensitive_files(root)}
     (root / RECORD).write_text(json.dumps(record, indent=1) + "\n")
     return row
 

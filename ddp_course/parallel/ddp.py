@@ -120,8 +120,12 @@ def ddp_kwargs(cfg: TrainConfig) -> dict:
                "static_graph": cfg.static_graph}
     if not cfg.broadcast_buffers:
         # Newer PyTorch renamed the per-forward buffer broadcast to `forward_sync_buffers` and warns
-        # about the old name. Both still broadcast once when DDP wraps the model (the new one always,
-        # the old one only when True); neither re-broadcasts before each forward when False.
+        # about the old name. Neither re-broadcasts the buffers before each forward when False. They
+        # differ at wrap time: `forward_sync_buffers=False` still broadcasts the buffers once there
+        # (`init_sync_buffers = True` in DistributedDataParallel.__init__, torch/nn/parallel/
+        # distributed.py), the old `broadcast_buffers=False` does not (it is passed on as the
+        # `broadcast_buffers` of `_sync_module_states`). MiniGPT has no buffers, so the course's runs
+        # are the same either way.
         if "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters:
             options["forward_sync_buffers"] = False
         else:

@@ -6,7 +6,7 @@
 ``fully_shard(module, mesh=...)`` replaces every parameter of ``module`` (those not already taken
 by an inner call) by a :class:`~torch.distributed.tensor.DTensor` sharded on dim 0 over the mesh:
 each rank keeps rows ``[r*c, (r+1)*c)`` of every tensor, with ``c = ceil(rows / shard ranks)``
-(the storage of the last shard is padded up to ``c`` rows). The calls are bottom-up, so each block
+(the last ranks may hold fewer real rows, or none; every rank's storage is padded up to ``c`` rows). The calls are bottom-up, so each block
 is one *group*: one all-gather brings the whole block's parameters together before its forward,
 one reduce-scatter hands each rank its shard of the block's gradients after its backward. The root
 call takes what is left: the embeddings (tied with the output head), the final LayerNorm.

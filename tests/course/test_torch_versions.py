@@ -46,7 +46,7 @@ def _tree(tmp: Path, floor: str = "2.10") -> Path:
     (tmp / "ddp_course" / "lab.py").write_text("from torch.distributed.pipelining import PipelineStage\n")
     (tmp / "ddp_course" / "model.py").write_text("import torch.nn as nn\n")
     (tmp / "pyproject.toml").write_text(f'dependencies = ["torch>={floor}"]\n')
-    files = {p: tv.blob_hash((tmp / p).read_bytes()) for p in tv.sensitive_files(tmp)}
+    files = {p: tv.code_digest((tmp / p).read_text()) for p in tv.sensitive_files(tmp)}
     row = {"torch": "2.10.0", "role": "floor", "ran": "whole suite", "commit": "0" * 40, "result": "green",
            "files": files}
     (tmp / tv.RECORD).write_text(json.dumps({"rows": [row]}))
@@ -56,9 +56,12 @@ def _tree(tmp: Path, floor: str = "2.10") -> Path:
 def test_guard_fails_when_a_measured_file_changes(tmp_path):
     root = _tree(tmp_path)
     assert tv.stale(root) == []
-    (root / "ddp_course" / "model.py").write_text("import torch.nn as nn  # edited\n")
+    (root / "ddp_course" / "model.py").write_text("import torch.nn as nn\nx = 2\n")
     assert tv.stale(root) == []  # not version-sensitive
-    (root / "ddp_course" / "lab.py").write_text("from torch.distributed.pipelining import PipelineStage\nx = 1\n")
+    lab = root / "ddp_course" / "lab.py"
+    lab.write_text('"""A docstring."""\nfrom torch.distributed.pipelining import PipelineStage  # a comment\n')
+    assert tv.stale(root) == []  # comments and docstrings are not what a version run measured
+    lab.write_text("from torch.distributed.pipelining import PipelineStage\nx = 1\n")
     (problem,) = tv.stale(root)
     assert "ddp_course/lab.py: changed since that run" in problem and "2.10.0 (floor" in problem
     assert tv.main(["--root", str(root), "check"]) == 1
@@ -79,10 +82,14 @@ def test_guard_fails_when_pyproject_floor_is_not_the_measured_one(tmp_path):
 
 
 def test_record_reads_the_digests_from_the_commit(tmp_path):
-    """``record`` takes each file's hash from git at the commit named: the same hash ``stale`` computes."""
+    """``record`` digests each file as git holds it at the commit named: the digest ``stale`` computes
+    from the same file on disk."""
     if shutil.which("git") is None or not (ROOT / ".git").exists():
         raise AssertionError("this test needs the repository's git history (a clone, shallow or not)")
     head = tv.git(ROOT, "rev-parse", "HEAD")
     for path in ("ddp_course/dist.py", "ddp_course/checkpoint.py"):
-        blob = subprocess.run(["git", "show", f"{head}:{path}"], cwd=ROOT, check=True, capture_output=True).stdout
-        assert tv.git(ROOT, "rev-parse", f"{head}:{path}") == tv.blob_hash(blob)
+        blob = subprocess.run(["git", "show", f"{head}:{path}"], cwd=ROOT, check=True, capture_output=True,
+                              text=True).stdout
+        assert tv.code_digest(tv.git(ROOT, "show", f"{head}:{path}")) == tv.code_digest(blob)
+        if not subprocess.run(["git", "diff", "--quiet", head, "--", path], cwd=ROOT).returncode:
+            assert tv.code_digest((ROOT / path).read_text()) == tv.code_digest(blob)

@@ -78,3 +78,28 @@ def epoch_orders(orders: Mapping[str, Sequence[Sequence[int]]], *, title: str = 
     fig.colorbar(im, ax=axes[0].tolist(), label="window index", fraction=0.03)
     fig.suptitle(title, fontsize=11)
     return fig
+
+
+def adamw_steps(result: Mapping, *, highlight: Mapping[str, tuple] | None = None,
+                title: str = "One AdamW step against the gradient, every weight of the model"):
+    """Each weight's first AdamW step (in units of lr) against its |gradient|, log-log, with AdamW's
+    formula |g| / (|g| + eps) and SGD's |g| as lines; ``highlight`` maps a label to ``(|g|, |step|)``
+    of a group of weights drawn on top (the key biases, say)."""
+    g, step, lr, eps = result["grad"].numpy(), result["step"].numpy() / result["lr"], result["lr"], result["eps"]
+    keep = g > 0
+    fig, ax = plt.subplots(figsize=(7.5, 4.2))
+    ax.loglog(g[keep], step[keep], ".", ms=2, alpha=0.25, color="C0", label="a weight of the model")
+    for i, (label, (hg, hs)) in enumerate((highlight or {}).items()):
+        ax.loglog(hg.numpy(), hs.numpy() / lr, "o", ms=4, mfc="none", color=f"C{i + 3}", label=label)
+    line = np.logspace(np.log10(g[keep].min()) - 0.5, np.log10(g.max()) + 0.5, 200)
+    ax.loglog(line, line / (line + eps), color="C1", lw=1.5, label="AdamW: |g| / (|g| + eps)")
+    ax.loglog(line, line, color="C2", lw=1.2, ls="--", label="SGD: |g|")
+    ax.axvline(eps, color="0.5", lw=0.8, ls=":")
+    ax.text(eps, ax.get_ylim()[0] * 3, " eps", color="0.4", fontsize=8)
+    ax.set_xlabel("|gradient| of the weight")
+    ax.set_ylabel("|step| / lr")
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    return fig

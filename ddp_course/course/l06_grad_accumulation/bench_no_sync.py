@@ -11,7 +11,9 @@ with ``no_sync=True`` (one all-reduce per optimizer step) and ``no_sync=False`` 
 in alternating order, ``--rounds`` times; a step's time is the slowest rank's. Before timing, a
 second DDP copy with a communication hook checks that the two modes really all-reduce 1 and K times
 per step, and the bench times one all-reduce of the whole gradient (the fastest of 30), which is
-what ``no_sync`` saves on each of the K - 1 non-final micro-steps.
+what ``no_sync`` saves on each of the K - 1 non-final micro-steps. Last, one step at the largest K is
+profiled in each mode (``skipped_work``): the operators a step without ``no_sync`` runs in excess,
+with their own time, say what the saving is made of.
 
 World size 1 still runs DDP (a process group of one): what ``no_sync`` saves there is DDP's own
 bookkeeping, not communication. ``--device=auto`` (default) runs every job on the GPUs with NCCL when
@@ -58,6 +60,33 @@ def parse_options(argv: list[str]) -> dict[str, Any]:
 
 # --------------------------------------------------------------------------------------------------
 # one rank of a job
+
+def skipped_work(step, repeats: int = 5, top: int = 8) -> dict[str, Any]:
+    """What a step without ``no_sync`` runs that a step with it does not: ``step(no_sync)`` is profiled
+    ``repeats`` times in each mode (``torch.profiler``, CPU); the operators that run more often without
+    it are ranked by the self time (their own, without their children) they add per step. Each row: ``name``, ``calls`` and
+    ``self_ms`` per step in both modes, and the difference. Every rank must call it (the steps
+    all-reduce)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    per_mode = {}
+    for no_sync in (True, False):
+        step(no_sync)  # untimed, outside the profile
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(repeats):
+                step(no_sync)
+        per_mode[no_sync] = {e.key: (e.count / repeats, e.self_cpu_time_total / repeats / 1e3)
+                             for e in prof.key_averages()}
+    rows = []
+    for name in set(per_mode[True]) | set(per_mode[False]):
+        (c_ns, t_ns), (c_s, t_s) = per_mode[True].get(name, (0, 0.0)), per_mode[False].get(name, (0, 0.0))
+        if c_s == c_ns:
+            continue  # run as often in both modes: not work that no_sync skips (its time differs by noise)
+        rows.append({"name": name, "calls_no_sync": c_ns, "calls_sync": c_s, "self_ms_no_sync": t_ns,
+                     "self_ms_sync": t_s, "extra_ms": t_s - t_ns})
+    total = {mode: sum(t for _, t in ops.values()) for mode, ops in per_mode.items()}
+    rows.sort(key=lambda r: -r["extra_ms"])
+    return {"total_self_ms_no_sync": total[True], "total_self_ms_sync": total[False], "ops": rows[:top]}
 
 def worker(opts: dict[str, Any]) -> None:
     import torch
@@ -141,10 +170,13 @@ def worker(opts: dict[str, Any]) -> None:
                     times[f"{k}/{'no_sync' if mode else 'sync'}"].append(timed(k, mode, opts["steps"]))
             log(f"[no_sync bench] world {info.world_size}: round {r + 1}/{opts['rounds']} done")
 
+        skipped = skipped_work(lambda no_sync: train_step(ddp, opt, None, batches[:max(opts["ks"])], device=device,
+                                                          precision="fp32", grad_clip=1.0, no_sync=no_sync))
         if info.is_main:
             out = {"world_size": info.world_size, "backend": info.backend, "device": str(device),
                    "threads": torch.get_num_threads(), "n_params": n_params, "n_buckets": n_buckets,
-                   "allreduce_s": allreduce_s, "counts": counts, "step_times_s": times}
+                   "allreduce_s": allreduce_s, "counts": counts, "step_times_s": times,
+                   "skipped_work": {"k": max(opts["ks"]), **skipped}}
             from ddp_course.metrics import write_json
 
             write_json(Path(opts["out_dir"]) / "worker.json", out)

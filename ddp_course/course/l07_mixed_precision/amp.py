@@ -12,6 +12,8 @@ returns plain data (lists of dicts) that the notebook prints and plots:
 - :func:`gradscaler_demo` -- fp16 training steps with ``torch.amp.GradScaler``, one of them forced to
   overflow, recording at every step the scale, the gradient norm before and after ``unscale_``,
   whether the optimizer step was skipped, and the scale after ``update``.
+- :func:`clip_order` -- the same training with the clip before and after ``unscale_``, under each
+  optimizer given: what the clip-while-scaled bug does to the loss.
 
 The training loop itself stays in :mod:`ddp_course.train` (``--precision=fp32|bf16|fp16``); nothing
 here changes global state.
@@ -332,6 +334,48 @@ def gradscaler_demo(model: nn.Module, batches: Sequence[tuple[torch.Tensor, torc
                 "spike_step": spike_step, "spike": spike, "grad_clip": grad_clip,
                 "fp16_max": torch.finfo(torch.float16).max}
     return {"rows": rows, "settings": settings, "bf16_check": bf16_check}
+
+
+CLIP_ORDERS = {"unscale, then clip": True, "clip while scaled": False}
+
+
+def clip_order(make_model: Callable[[], nn.Module], batches: Sequence[tuple[torch.Tensor, torch.Tensor]], *,
+               optimizers: dict[str, Callable[[nn.Module], torch.optim.Optimizer]], scale: float = 2.0 ** 16,
+               grad_clip: float = 1.0) -> dict[str, dict[str, dict[str, list[float]]]]:
+    """The clip-while-scaled bug, run: for each optimizer, the same training (one step per batch, the
+    same initial weights from ``make_model``) once in the right order (``unscale_``, then clip) and
+    once with the clip applied to the scaled gradients. A ``GradScaler`` with a fixed ``scale`` does
+    the scaling (growth_interval beyond the run: the scale never changes, and no step overflows);
+    the forward runs in fp32, so the only difference between the two orders is the clip.
+
+    Returns ``{optimizer: {order: {"loss": [...], "grad_norm": [...], "below_eps": [...]}}}`` over the
+    orders of ``CLIP_ORDERS``, one value per step: the loss, the norm of the gradient the optimizer
+    steps with (clipped and unscaled), and the fraction of its coordinates below AdamW's ``eps`` (1e-8)."""
+    out: dict[str, dict[str, dict[str, list[float]]]] = {}
+    for name, make_optimizer in optimizers.items():
+        out[name] = {}
+        for order, unscale_first in CLIP_ORDERS.items():
+            model = make_model()
+            device = next(model.parameters()).device
+            optimizer = make_optimizer(model)
+            scaler = torch.amp.GradScaler(device.type, init_scale=scale, growth_interval=len(batches) + 1)
+            rows: dict[str, list[float]] = {"loss": [], "grad_norm": [], "below_eps": []}
+            for x, y in batches:
+                _, loss = model(x.to(device), y.to(device))
+                scaler.scale(loss).backward()
+                if unscale_first:
+                    scaler.unscale_(optimizer)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+                g = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]).abs()
+                g = g if unscale_first else g / scaler.get_scale()  # what the optimizer will step with
+                rows["grad_norm"].append(torch.linalg.vector_norm(g).item())
+                rows["below_eps"].append((g < 1e-8).float().mean().item())
+                scaler.step(optimizer)  # unscales here when unscale_ was not called
+                scaler.update()
+                optimizer.zero_grad(set_to_none=True)
+                rows["loss"].append(loss.item())
+            out[name][order] = rows
+    return out
 
 
 def format_scaler_rows(rows: list[dict[str, Any]]) -> str:

@@ -4,6 +4,7 @@ benchmark and returns the figure."""
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import matplotlib.pyplot as plt
@@ -92,5 +93,25 @@ def amp_bench(result: dict[str, Any]):
         bars(vals, ylabel="MiB", ax=axes[2], title=title, fmt="{:.1f}")
     hw = result["hardware"]
     fig.suptitle(f"fp32 vs 16-bit on {hw['device']} ({hw['name']})", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def clip_order(result: Mapping[str, Mapping[str, Mapping[str, Sequence[float]]]], *, baseline: float | None = None,
+               title: str = "Clipping before or after unscale_"):
+    """One panel per optimizer: the loss of each order of clip and unscale_, per step; ``baseline``
+    (ln of the vocabulary, an untrained model's loss) as a dotted line."""
+    fig, axes = plt.subplots(1, len(result), figsize=(5 * len(result), 3.4), sharey=True, squeeze=False)
+    for ax, (name, orders) in zip(axes[0], result.items()):
+        for i, (order, rows) in enumerate(orders.items()):
+            ax.plot(range(1, len(rows["loss"]) + 1), rows["loss"], color=f"C{i}", lw=1.2, label=order)
+        if baseline is not None:
+            ax.axhline(baseline, color="0.5", ls=":", lw=1, label="ln(vocabulary): untrained")
+        ax.set_title(name, fontsize=10)
+        ax.set_xlabel("optimizer step")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    axes[0][0].set_ylabel("training loss (nats / char)")
+    fig.suptitle(title, fontsize=11)
     fig.tight_layout()
     return fig

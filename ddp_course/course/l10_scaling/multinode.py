@@ -212,7 +212,8 @@ NCCL_KNOBS = {
     "NCCL_DEBUG": ("INFO", "NCCL prints its version, the network interface and transport it picked (NVLink/P2P, "
                    "shared memory, InfiniBand, sockets) and the rings/trees it built, once per rank at start-up. "
                    "The first thing to set when a multi-node job hangs in init_process_group or the first "
-                   "collective; WARN (the default) prints only problems. NCCL_DEBUG_SUBSYS=INIT,NET narrows it."),
+                   "collective. Unset (the default), NCCL prints nothing of its own; WARN prints only problems. "
+                   "NCCL_DEBUG_SUBSYS=INIT,NET narrows INFO to start-up and the network."),
     "NCCL_SOCKET_IFNAME": ("eth0", "Which network interface NCCL uses for its bootstrap connections and its socket "
                            "transport; a prefix (eth, ens) or an exclusion list (^docker0,lo). If NCCL picks an "
                            "interface the other nodes cannot reach (a docker bridge, a management port), the job "

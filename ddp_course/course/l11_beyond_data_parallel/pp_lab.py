@@ -67,9 +67,10 @@ PROG = "torchrun --standalone --nproc_per_node=2 -m ddp_course.course.l11_beyond
 # Tolerances of the parity check (fp32). The pipeline computes the same sums as one process, in
 # another order: each gradient is accumulated over m micro-batch backwards instead of one, and the
 # tied matrix's two halves are added by an all-reduce instead of by autograd. That changes last
-# bits: measured ~1e-7 relative on the losses and gradients. AdamW then divides each update by the
-# square root of its second moment, which turns the rounding of a near-zero gradient into a
-# lr-sized step, so the weights after a few steps differ by ~1e-5 of the distance they moved.
+# bits: measured ~1e-7 relative on the losses and gradients. AdamW divides each update by the square
+# root of its second moment plus eps, so a near-zero gradient's rounding moves its weight by far more
+# than SGD would (lesson 04, section 6, measures the step against |g|): the weights after a few steps
+# differ by ~1e-5 of the distance they moved (the lab prints it).
 # The mistakes are far out: a tied matrix left unsynchronised misses tens of percent of its gradient,
 # a missing 1/m multiplies every gradient by m. Each tolerance sits between, with room on both sides.
 LOSS_RTOL = 1e-5  # |loss_pp - loss_ref| / loss_ref, every step
