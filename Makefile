@@ -3,8 +3,9 @@
 #   make test   set up .venv if needed, then run the whole test suite (what CI runs)
 #   make test-torch TORCH_SPEC="torch==2.10.0"   the whole suite on another PyTorch, in .venv-torch/
 #
-# Set-up keeps a torch that is already importable by $(PYTHON) (the venv then sees the system's
-# site-packages); otherwise it installs $(TORCH_SPEC). See README.md for GPU and CPU-only wheels.
+# Set-up keeps a torch that is already importable by $(PYTHON) and at least the course's floor
+# (the venv then sees the system's site-packages); otherwise it installs $(TORCH_SPEC) into an
+# isolated venv (tools/setup_python.py says which, in one line). See README.md for GPU and CPU-only wheels.
 
 PYTHON      ?= python3
 VENV        ?= .venv
@@ -16,16 +17,17 @@ PY          := $(VENV)/bin/python
 STAMP       := $(VENV)/.ddp_course-installed
 LAB_STAMP   := $(VENV)/.ddp_course-lab-installed
 PYTEST_ARGS ?=
-# 1: a torch already importable by $(PYTHON) is used (the venv sees the system's site-packages);
-# 0: the venv is isolated and gets $(TORCH_SPEC) (what `make test-torch` does)
+# 1: a torch already importable by $(PYTHON) is used when it is at least TORCH_FLOOR (the venv sees
+# the system's site-packages); 0: the venv is isolated and gets $(TORCH_SPEC) (what `make test-torch` does)
 SYSTEM_TORCH ?= 1
+# the oldest torch the course supports, read from pyproject.toml's "torch>=X"
+TORCH_FLOOR := $(shell sed -n 's/.*"torch>=\([0-9.]*\)".*/\1/p' pyproject.toml)
 # `make test-torch`'s venv for TORCH_SPEC, e.g. .venv-torch/torch__2.8.0 for "torch==2.8.0"
 TORCH_VENV  := .venv-torch/$(shell printf '%s' '$(TORCH_SPEC)' | tr -c 'A-Za-z0-9.' '_')
 # JupyterLab refuses to run as root unless told to (containers often run as root)
 ROOT_FLAG   := $(if $(filter 0,$(shell id -u)),--allow-root)
-# Whether a Python can import torch, and which version it has, without importing it (seconds each)
+# Whether a Python can import torch, without importing it (seconds)
 HAS_TORCH   := -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('torch') is None)"
-TORCH_VER   := -c "import importlib.metadata as m; print(m.version('torch'))"
 # Offline machines: a folder ../shared/data holding tinyshakespeare.txt, beside the checkout, is
 # used when DDP_COURSE_DATA is not set (that is how CI runs without a network).
 ifeq ($(origin DDP_COURSE_DATA),undefined)
@@ -41,8 +43,8 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml
 	@set -e; \
 	if [ ! -x "$(PY)" ]; then \
-	  if [ "$(SYSTEM_TORCH)" != 0 ] && $(PYTHON) $(HAS_TORCH) >/dev/null 2>&1; then \
-	    echo "[setup] using the torch already installed for $(PYTHON): $$($(PYTHON) $(TORCH_VER) 2>/dev/null)"; \
+	  $(PYTHON) tools/setup_python.py venv; \
+	  if [ "$(SYSTEM_TORCH)" != 0 ] && $(PYTHON) tools/setup_python.py torch --floor "$(TORCH_FLOOR)" --spec "$(TORCH_SPEC)"; then \
 	    $(PYTHON) -m venv --system-site-packages $(VENV); \
 	  else \
 	    $(PYTHON) -m venv $(VENV); \
@@ -63,8 +65,12 @@ $(LAB_STAMP): $(STAMP)
 	@$(PY) -m pip install --quiet -e ".[dev,lab]"
 	@touch $(LAB_STAMP)
 
+# The server runs with the venv first on its PATH (as `source .venv/bin/activate` would put it), so
+# that a terminal opened in JupyterLab, which inherits the server's environment, finds the course's
+# python and torchrun.
 lab: setup $(LAB_STAMP)
 	@echo "[lab] starting JupyterLab; open the URL below (lessons/00_setup.ipynb is the first lesson)"
+	PATH="$(abspath $(VENV))/bin:$$PATH" VIRTUAL_ENV="$(abspath $(VENV))" \
 	$(PY) -m jupyter lab --ip=127.0.0.1 --port=$(PORT) --no-browser $(ROOT_FLAG) --ServerApp.root_dir=$(CURDIR)
 
 # The notebooks run as a learner's completed copies (answers in place of the TODOs, no markers,

@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     if cmd == "doctor":
         from ddp_course.doctor import main as doctor
 
-        return doctor()
+        return doctor(rest)
     if cmd == "run":
         return _train_job(rest)
     if cmd == "bench":
@@ -116,7 +116,8 @@ def main(argv: list[str] | None = None) -> int:
         from ddp_course.check.progress import main as progress
 
         return progress(rest)
-    print(f"error: unknown command {cmd!r}.\n{__doc__}", file=sys.stderr)
+    print(f"error: unknown command {cmd!r}; the commands are doctor, run, bench, check, progress and multinode "
+          "(python -m ddp_course --help describes each).", file=sys.stderr)
     return 2
 
 

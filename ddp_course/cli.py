@@ -34,6 +34,8 @@ class FlagError(ValueError):
 def usage(prog: str, doc: str | None, defaults: dict[str, Any], helps: dict[str, str] | None = None) -> str:
     """The ``--help`` text: how to run ``prog``, its docstring, then each option with its default."""
     helps = helps or {}
+    if not defaults:
+        return "\n".join([f"usage: {prog}", "", (doc or "").strip()])
     lines = [f"usage: {prog} [--key=value ...]", "", (doc or "").strip(), "", GRAMMAR, "", "options:"]
     lines += [f"  {'--' + k + '=' + str(v):<28} {helps.get(k, '')}".rstrip() for k, v in defaults.items()]
     return "\n".join(lines)
@@ -75,15 +77,15 @@ def parse_flags(argv: list[str], defaults: dict[str, Any], prog: str, *, doc: st
         print(usage(prog, doc, defaults, helps), flush=True)
         raise SystemExit(0)
     values = dict(defaults)
-    valid = ", ".join(f"--{k}={v}" for k, v in defaults.items())
+    valid = ("The options and their defaults are: " + ", ".join(f"--{k}={v}" for k, v in defaults.items()) + "."
+             if defaults else "It takes no options.")
     for key, value, args in split_flags(argv, lambda k: type(defaults.get(k)) is bool):
         if not key:
-            raise FlagError(f"{prog}: unexpected argument {args[0]!r}. {GRAMMAR} "
-                            f"The options and their defaults are: {valid}.")
+            raise FlagError(f"{prog}: unexpected argument {args[0]!r}. {GRAMMAR} {valid}")
         if key not in defaults:
             close = close_keys(key, defaults)
             hint = f" Did you mean {' or '.join(close)}?" if close else ""
-            raise FlagError(f"{prog}: unknown option --{key}.{hint} The options and their defaults are: {valid}.")
+            raise FlagError(f"{prog}: unknown option --{key}.{hint} {valid}")
         default = defaults[key]
         if value is None:
             raise FlagError(f"{prog}: --{key} needs a value, e.g. --{key}={default}.")

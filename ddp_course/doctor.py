@@ -70,7 +70,24 @@ def format_report(info: dict) -> str:
     return "\n".join(lines)
 
 
-def main() -> int:
+PROG = "python -m ddp_course doctor"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m ddp_course doctor``: the report; ``--help`` explains it; any other argument is bad input."""
+    from ddp_course.cli import HELP_FLAGS, FlagError, parse_flags, usage
+
+    argv = sys.argv[1:] if argv is None else argv
+    doc = ("What this machine has (Python, torch, CPU cores, GPUs, backends, the corpus) and which device and "
+           "backend the course will use for 1, 2 and 4 processes. It takes no options.")
+    if any(a in HELP_FLAGS for a in argv):
+        print(usage(PROG, doc, {}))
+        return 0
+    try:
+        parse_flags(argv, {}, PROG)
+    except FlagError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     print(format_report(report()))
     return 0
 

@@ -129,13 +129,20 @@ def grade(number: str, path: str | Path, **kwargs) -> Verdict:
     return _graded_and_recorded(exercise.name, path, grader, kwargs, harness.message)
 
 
+USAGE = "usage: python -m ddp_course check NN PATH   (python -m ddp_course check, alone, lists the exercises)"
+
+
 def main(argv: list[str]) -> int:
+    """``python -m ddp_course check [NN PATH]``: the listing, or one verdict (exit 0 passed, 1 failed);
+    ``--help`` prints the usage (exit 0); anything else is bad input (``error:`` on stderr, exit 2)."""
     if not argv:
         print(listing())
         return 0
-    if len(argv) != 2:
-        print("usage: python -m ddp_course check NN PATH   (python -m ddp_course check, alone, lists the exercises)",
-              file=sys.stderr)
+    if any(a in ("-h", "--help") for a in argv):
+        print(USAGE)
+        return 0
+    if len(argv) != 2 or any(a.startswith("--") for a in argv):
+        print(f"error: expected an exercise and a path, got {' '.join(argv)!r}. {USAGE}", file=sys.stderr)
         return 2
     try:
         resolve(argv[0], argv[1])

@@ -232,10 +232,13 @@ def main(argv: list[str]) -> int:
     """``python -m ddp_course progress [FOLDER]``: the table and the next step; exit 0."""
     import sys
 
-    if len(argv) > 1 or (argv and argv[0] in ("-h", "--help")):
-        print("usage: python -m ddp_course progress [FOLDER]   (default: lessons/ of this checkout)",
-              file=sys.stderr if len(argv) > 1 else sys.stdout)
-        return 2 if len(argv) > 1 else 0
+    usage = "usage: python -m ddp_course progress [FOLDER]   (default: lessons/ of this checkout)"
+    if any(a in ("-h", "--help") for a in argv):
+        print(usage)
+        return 0
+    if len(argv) > 1 or (argv and argv[0].startswith("--")):
+        print(f"error: unexpected argument(s) {' '.join(argv)!r}. {usage}", file=sys.stderr)
+        return 2
     folder = lessons_folder(argv[0] if argv else None)
     if not folder.is_dir():
         print(f"error: {folder} is not a folder of lesson notebooks; give the folder that holds NN_*.ipynb "

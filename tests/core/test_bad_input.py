@@ -233,3 +233,21 @@ def test_a_job_that_refuses_its_input_is_a_refusal_not_a_crash(tmp_path):
     with pytest.raises(LaunchError) as err:
         run(str(crashes), nproc=1, use_torchrun=False, echo="none", progress=False, timeout=60)
     assert not isinstance(err.value, LaunchRefused)
+
+
+@pytest.mark.parametrize("argv", [["doctor", "--bogus"], ["doctor", "extra"], ["check", "09", "x.py", "y.py"],
+                                  ["check", "--bogus", "x"], ["check", "01"], ["progress", "--bogus"],
+                                  ["progress", "a", "b"], ["frobnicate"]])
+def test_every_command_refuses_bad_input_in_one_line_with_exit_2(argv, capsys):
+    assert course_cli.main(argv) == 2
+    out, err = capsys.readouterr()
+    assert not out
+    one_error_line(err)
+
+
+@pytest.mark.parametrize("argv", [["doctor", "--help"], ["check", "--help"], ["check", "09", "-h"],
+                                  ["progress", "--help"], ["--help"]])
+def test_every_commands_help_goes_to_stdout_with_exit_0(argv, capsys):
+    assert course_cli.main(argv) == 0
+    out, err = capsys.readouterr()
+    assert out.strip() and not err

@@ -180,6 +180,40 @@ def test_zero1_shards_only_adamw_and_partitions_whole_tensors():
     vc = plan.GPT2_SMALL["vocab_size"] * plan.GPT2_SMALL["n_embd"]
     assert g.optimizer >= 2 * vc * 4 > plan.ddp(plan.GPT2_SMALL, 4, 32).optimizer / 4
     assert z.comm == d.comm + 3 * plan.n_params(SMALL) * 4 // 4  # + the all-gather of the updated weights
+    # DDP's buckets, then ZeroRedundancyOptimizer's default broadcasts: one per parameter tensor
+    n_tensors = len(memory.parameter_table(SMALL))
+    assert n_tensors == 4 * 12 + 4  # 12 tensors per block; the embeddings and the final LayerNorm
+    assert z.calls == d.calls + n_tensors
+    assert plan.zero1(SMALL, 2, 8).calls == z.calls  # whatever the number of ranks: every rank joins each
+
+
+def test_zero1_calls_are_zero_redundancy_optimizers_broadcasts(monkeypatch):
+    """The library itself, on a one-rank gloo group in this process: one step of ZeroRedundancyOptimizer
+    with its default settings broadcasts each parameter tensor once, and with
+    ``parameters_as_bucket_view=True`` once per rank -- the count ``plan.zero1`` gives DDP's buckets."""
+    import torch.distributed as dist
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    from ddp_course.model import GPTConfig, MiniGPT
+
+    if dist.is_initialized():
+        pytest.skip("this process already has a process group")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        broadcast, counted = dist.broadcast, []
+        monkeypatch.setattr(dist, "broadcast", lambda *a, **k: counted.append(1) or broadcast(*a, **k))
+        model = MiniGPT(GPTConfig(**SMALL))
+        for bucket_view, expected in ((False, len(memory.parameter_table(SMALL))), (True, 1)):
+            opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-3,
+                                          parameters_as_bucket_view=bucket_view)
+            for prm in model.parameters():
+                prm.grad = torch.ones_like(prm)
+            counted.clear()
+            opt.step()
+            assert len(counted) == expected, (bucket_view, len(counted))
+    finally:
+        dist.destroy_process_group()
+    assert plan.zero1(SMALL, 4, 8).calls - plan.ddp(SMALL, 4, 8).calls == len(memory.parameter_table(SMALL))
 
 
 def test_one_rank_of_tp_or_pp_is_one_process():

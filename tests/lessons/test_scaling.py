@@ -95,6 +95,9 @@ def test_generated_commands_parse(nnodes, nproc):
     assert summary["c10d"]["rdzv_endpoint"] == "10.0.0.1:29500"
     assert summary["slurm"]["sbatch"]["nodes"] == str(nnodes)
     assert summary["slurm"]["torchrun"][-2:] == ["--strategy=ddp", "--max_steps=10"]
+    # srun is given the cores again: Slurm 22.05 to 23.02 do not pass sbatch's --cpus-per-task on to it
+    srun = next(ln for ln in multinode.slurm_script(spec).splitlines() if ln.startswith("srun "))
+    assert shlex.split(srun)[:3] == ["srun", "--ntasks-per-node=1", "--cpus-per-task=$SLURM_CPUS_PER_TASK"]
 
 
 def test_multinode_command_output_is_valid_torchrun():

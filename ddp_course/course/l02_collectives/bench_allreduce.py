@@ -190,10 +190,13 @@ def _fmt_bytes(b: float) -> str:
                timeout_s=(300.0, "wall-clock limit of each job (all its processes are stopped after it)"))
 def run_bench(opts: dict[str, Any]) -> dict[str, Any]:
     """Run the bench with parsed options; returns the result written to ``<out>/allreduce.json``."""
-    from ddp_course.dist import choose_device, cpu_count
+    from ddp_course.dist import cpu_count
 
     base = Path(opts["out"]).resolve()
     cores = cpu_count()
+    device, world_sizes, reason = harness.study_device(opts["device"], opts["world_sizes"])
+    opts = {**opts, "device": device, "world_sizes": world_sizes}  # one kind of device for every job
+    print(f"[{NAME}] {reason}", flush=True)
     sizes = message_sizes(opts["min_bytes"], opts["max_bytes"], opts["factor"])
     print(f"[{NAME}] all_reduce(SUM) of float32 tensors, {_fmt_bytes(sizes[0])} .. {_fmt_bytes(sizes[-1])} "
           f"({len(sizes)} sizes) on {', '.join(map(str, opts['world_sizes']))} processes; "
@@ -202,9 +205,8 @@ def run_bench(opts: dict[str, Any]) -> dict[str, Any]:
                                         "warmup", "device", "timeout_s")}
     jobs = []
     for n in opts["world_sizes"]:
-        dev, _, _ = choose_device(opts["device"], n)
         res, r, oversubscribed = harness.worker_job(NAME, n, base / f"{NAME}_w{n}", timeout=opts["timeout_s"],
-                                                    on_cpu=dev.type == "cpu", **worker_opts)
+                                                    on_cpu=device == "cpu", **worker_opts)
         jobs.append({**res, "oversubscribed": oversubscribed, "wall_s": r.elapsed_s})
 
     for job in jobs:
@@ -215,7 +217,7 @@ def run_bench(opts: dict[str, Any]) -> dict[str, Any]:
         for row in job["rows"]:
             print(f"{_fmt_bytes(row['bytes']):>10}  {row['iters']:>11}  {row['time_s'] * 1e6:>8.1f} us  "
                   f"{row['algbw_GBps']:>10.3f}  {row['busbw_GBps']:>10.3f}")
-    return {"bench": NAME, "options": opts, "cpu_count": cores, "jobs": jobs}
+    return {"bench": NAME, "options": opts, "device_reason": reason, "cpu_count": cores, "jobs": jobs}
 
 
 bench, main = harness.entry_points(NAME)

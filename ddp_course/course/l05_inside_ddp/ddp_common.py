@@ -29,8 +29,10 @@ class BucketRecorder:
     """Register as DDP's communication hook; records each bucket, then runs ``inner`` on it.
 
     ``inner`` is any hook ``(process_group, bucket) -> Future`` (default: the plain averaging
-    all-reduce, what DDP does without a hook). DDP calls the hook once per bucket, in the order the
-    buckets become ready, so ``len(recorder.calls_in(step))`` is the number of all-reduces that step.
+    all-reduce, what DDP does without a hook). DDP calls the hook once per bucket, in bucket-index
+    order (a bucket ready early waits for the ones before it: ``mark_bucket_ready`` in
+    ``torch/csrc/distributed/c10d/reducer.cpp``), so ``len(recorder.calls_in(step))`` is the number
+    of all-reduces that step.
     """
 
     def __init__(self, ddp, names: dict[int, str], inner=None, process_group=None, events: list | None = None):

@@ -64,7 +64,7 @@ PARTS = ("buckets", "gradhook", "buffers", "unused", "static", "hooks", "join")
 DEFAULTS: dict[str, Any] = {
     "out_dir": "runs/ddp_internals",
     "parts": ",".join(PARTS),
-    "bucket_caps": "25,0.1,0.04",  # MB; 25 is DDP's default
+    "bucket_caps": "25,0.1,0.04",  # MB; 25 is DDP's default size, but given explicitly: no 1 MiB first bucket
     "n_layer": 2, "n_head": 4, "n_embd": 64, "block_size": 32, "micro_batch_size": 8,
     "hook_steps": 40,  # training steps per communication hook for the loss comparison
     "hook_lr": 3e-3,

@@ -61,7 +61,7 @@ DEFAULTS: dict[str, Any] = {
     "n_layer": 2,
     "n_head": 2,
     "n_embd": 64,
-    "bucket_cap_mb": 25.0,  # DDP's default
+    "bucket_cap_mb": 25.0,  # DDP's default size, but given explicitly: no 1 MiB first bucket (lesson 05, section 10)
     "seed": 0,
     "variants": "all",  # comma-separated names from VARIANTS, or all
     "timeout_s": 60.0,  # process-group timeout

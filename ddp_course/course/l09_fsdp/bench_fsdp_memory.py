@@ -101,6 +101,9 @@ def run(opts: dict[str, Any]) -> dict[str, Any]:
     """Run the lab at every world size, print the table; PASS when both targets are met."""
     out = Path(opts["out"])
     reports, rows = [], []
+    device, world_sizes, reason = harness.study_device(opts["device"], opts["world_sizes"])
+    opts = {**opts, "device": device, "world_sizes": world_sizes}  # one kind of device for every job
+    print(f"[{NAME}] {reason}", flush=True)
     lab_opts = {k: opts[k] for k in ("steps", "n_layer", "n_head", "n_embd", "block_size", "micro_batch_size",
                                      "device")}
     for ws in opts["world_sizes"]:
@@ -119,7 +122,7 @@ def run(opts: dict[str, Any]) -> dict[str, Any]:
     targets = {"sharding": {"tolerance": SHARDING_TOL, "worst": worst_shard,
                             "met": bool(sharding) and worst_shard <= SHARDING_TOL},
                "calculator": {"tolerance": CALC_TOL, "worst": worst_calc, "met": worst_calc <= CALC_TOL}}
-    result = {"name": NAME, "options": opts, "device": reports[0]["device"], "rows": rows, "targets": targets,
+    result = {"name": NAME, "options": opts, "device": device, "device_reason": reason, "rows": rows, "targets": targets,
               "jobs": [{"world_size": r["world_size"], "wall_s": r["wall_s"]} for r in reports],
               "pass": all(t["met"] for t in targets.values())}
     print(table(result))

@@ -6,21 +6,24 @@
 Every rank trains the same small MiniGPT on its own fixed batches, three ways, for ``--steps`` steps:
 
 - **eager DDP** -- the reference;
-- ``torch.compile(DDP(model))`` -- *compile the wrapped model* (order A, what PyTorch documents):
-  dynamo sees DDP and its *DDPOptimizer* splits the graph at gradient-bucket boundaries, so each
-  bucket's all-reduce can start while the backward of the earlier layers still runs;
-- ``DDP(torch.compile(model))`` -- *wrap the compiled model* (order B, what ``--compile`` in
-  ``ddp_course.train`` does): DDP marks its forward so that dynamo applies DDPOptimizer here too
-  (in the PyTorch versions the course runs; lesson 10 asserts it), so it is split the same way; DDP's
-  hooks fire when the compiled backward hands back the gradients.
+- ``torch.compile(DDP(model))`` -- *compile the wrapped model* (order A, what PyTorch's DDP notes
+  show: "Distributed Data Parallel", section "TorchDynamo DDPOptimizer"): dynamo sees DDP and its
+  *DDPOptimizer* splits the graph at gradient-bucket boundaries, so each bucket's all-reduce can
+  start while the backward of the earlier layers still runs;
+- ``DDP(torch.compile(model))`` -- *wrap the compiled model* (order B, what PyTorch's newer guide
+  "Where to apply torch.compile?" recommends, and what ``--compile`` in ``ddp_course.train`` does):
+  DDP marks its forward so that dynamo applies DDPOptimizer here too (in the PyTorch versions the
+  course runs; lesson 10 asserts it), so it is split the same way; DDP's hooks fire when the
+  compiled backward hands back the gradients.
 
 For each it records the losses (compared with eager DDP), the graphs the backend compiled (a counting
 wrapper around ``--backend``), the first step's time (tracing and compiling) and whether the replicas
 still agree. Then, on the order-A model, the known breakages, each measured: evaluation
 (``eval()`` + ``no_grad``) and generation (growing sequence lengths) recompile, ``dynamic=False``
-runs into the recompile limit and silently falls back to eager, the state dict's keys change,
-and a bucket cap under 1 MiB is refused by DDPOptimizer. Last, the course's safe pattern --
-evaluate, generate and save through ``parallel.unwrap(model)`` -- measured to compile nothing.
+runs into the recompile limit, logs a warning and falls back to eager (``_compile`` in
+``torch/_dynamo/convert_frame.py``), the state dict's keys change, and a bucket cap under 1 MiB is
+refused by DDPOptimizer. Last, the course's safe pattern -- evaluate, generate and save through
+``parallel.unwrap(model)`` -- measured to compile nothing.
 
 ``--backend=aot_eager`` (the default) traces exactly like the real compiler but generates no code:
 fast, and enough to see graphs, recompiles and breakages. ``--timing=true`` adds the cost and the

@@ -118,7 +118,8 @@ def slurm_script(spec: JobSpec) -> str:
     for k, v in spec.env.items():
         lines.append(f"export {k}={shlex.quote(v)}")
     lines += ["", f"# {spec.nnodes} nodes x {spec.nproc} processes = {spec.world_size} ranks",
-              f"srun --ntasks-per-node=1 {quoted}", ""]
+              "# Slurm 22.05 to 23.02 do not pass sbatch's --cpus-per-task on to srun (man sbatch): given again here.",
+              f'srun --ntasks-per-node=1 "--cpus-per-task=$SLURM_CPUS_PER_TASK" {quoted}', ""]
     return "\n".join(lines)
 
 
@@ -208,12 +209,21 @@ def check_slurm(script: str, spec: JobSpec, example_host: str = "gpu-node-001",
 # ------------------------------------------------------------------------------------------------
 # what to know on a real cluster
 
+# NCCL_DEBUG and NCCL_DEBUG_SUBSYS as NCCL's src/debug.cc (ncclDebugInit) reads them: unset, the level is
+# NONE; the subsystem mask defaults to INIT|BOOTSTRAP|ENV, and a list without a leading ^ replaces it
+# (with ^ it removes subsystems from all of them). Communicators are created lazily, at a process group's
+# first collective, unless init_process_group gets a device_id (its docstring in
+# torch/distributed/distributed_c10d.py), and INFO prints their set-up each time.
 NCCL_KNOBS = {
     "NCCL_DEBUG": ("INFO", "NCCL prints its version, the network interface and transport it picked (NVLink/P2P, "
-                   "shared memory, InfiniBand, sockets) and the rings/trees it built, once per rank at start-up. "
+                   "shared memory, InfiniBand, sockets) and the rings/trees it built, every time it creates a "
+                   "communicator: PyTorch creates one per process group (at its first collective, unless "
+                   "init_process_group got a device_id), so subgroups (FSDP's, tensor parallelism's) print "
+                   "their own later in the run. "
                    "The first thing to set when a multi-node job hangs in init_process_group or the first "
                    "collective. Unset (the default), NCCL prints nothing of its own; WARN prints only problems. "
-                   "NCCL_DEBUG_SUBSYS=INIT,NET narrows INFO to start-up and the network."),
+                   "NCCL_DEBUG_SUBSYS selects what INFO prints: a list replaces the default subsystems "
+                   "(INIT,BOOTSTRAP,ENV), so INIT,NET shows start-up and the network and drops the rest."),
     "NCCL_SOCKET_IFNAME": ("eth0", "Which network interface NCCL uses for its bootstrap connections and its socket "
                            "transport; a prefix (eth, ens) or an exclusion list (^docker0,lo). If NCCL picks an "
                            "interface the other nodes cannot reach (a docker bridge, a management port), the job "
@@ -245,7 +255,10 @@ LINKS = {
 def ring_allreduce_s(n_bytes: float, world_size: int, link_gb_s: float) -> float:
     """Lower bound on a ring all-reduce: every rank sends 2 (n - 1) / n x the message over its link.
 
-    Latency and protocol overheads are ignored, so real collectives are slower.
+    It assumes that all of a rank's ring traffic crosses that one link: for a network port, one GPU
+    per node. A node with several GPUs and several ports can spread the traffic that leaves it over
+    all of them, so for such a job a port's row is no bound. Latency and protocol overheads are
+    ignored, so real collectives on one such link are slower.
     """
     if world_size < 2:
         return 0.0
@@ -253,7 +266,8 @@ def ring_allreduce_s(n_bytes: float, world_size: int, link_gb_s: float) -> float
 
 
 def link_table(n_params: float, bytes_per_grad: int = 4, world_size: int = 16) -> list[dict[str, Any]]:
-    """For each link in :data:`LINKS`: the ring all-reduce lower bound for ``n_params`` gradients."""
+    """For each link in :data:`LINKS`: the ring all-reduce lower bound for ``n_params`` gradients, with
+    every rank's whole ring traffic through one such link (:func:`ring_allreduce_s`)."""
     n_bytes = n_params * bytes_per_grad
     return [{"link": name, "where": where, "gb_per_s": bw, "note": note,
              "allreduce_ms": 1e3 * ring_allreduce_s(n_bytes, world_size, bw)}

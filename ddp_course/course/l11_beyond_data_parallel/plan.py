@@ -94,13 +94,17 @@ def zero1(shape: dict[str, int], world_size: int, batch_size: int) -> Layout:
     (``memory.zero1_partition``); the fullest rank is shown. Per step DDP's all-reduce, then every
     rank broadcasts the weights it updated: an all-gather's worth, (N - 1) / N x 4P more bytes,
     1.5 x DDP's in all (the ZeRO paper's version reduce-scatters the gradients instead of
-    all-reducing them, and moves DDP's bytes)."""
+    all-reducing them, and moves DDP's bytes). ``calls``: DDP's buckets, plus one broadcast per
+    parameter tensor, which every rank joins -- the library's default,
+    ``parameters_as_bucket_view=False``, sends "parameter-by-parameter" (``_sync_params`` and
+    ``_broadcast_params_from_rank`` in ``torch/distributed/optim/zero_redundancy_optimizer.py``);
+    with ``parameters_as_bucket_view=True`` it would be one broadcast per rank."""
     base = ddp(shape, world_size, batch_size)
     rows = memory.predict("zero1", world_size, shape, micro_batch_size=batch_size // world_size)
     r = max(rows, key=lambda x: x["states"])
     size = n_params(shape) * FP32
     return Layout("ZeRO-1", f"DP {world_size}", r["params"], r["grads"], r["optimizer"], r["activations"], 0,
-                  base.comm + _all_gather(size, world_size), base.calls + world_size, 0.0,
+                  base.comm + _all_gather(size, world_size), base.calls + len(memory.parameter_table(shape)), 0.0,
                   "all-reduce of the gradients, broadcast of the updated weights")
 
 
