@@ -30,6 +30,13 @@ class GPTConfig:
     dropout: float = 0.0
     activation_checkpointing: bool = False
 
+    def num_params(self) -> int:
+        """The parameters MiniGPT(self) will have, without building it: the token and position tables,
+        per block 12 C^2 + 13 C (qkv, proj, fc, proj with their biases, two LayerNorms), the final
+        LayerNorm; the head is tied to the token table. Equal to ``MiniGPT(self).num_params()``."""
+        V, T, L, C = self.vocab_size, self.block_size, self.n_layer, self.n_embd
+        return V * C + T * C + L * (12 * C * C + 13 * C) + 2 * C
+
     @classmethod
     def from_train(cls, cfg: TrainConfig, vocab_size: int) -> GPTConfig:
         return cls(vocab_size=vocab_size, block_size=cfg.block_size, n_layer=cfg.n_layer, n_head=cfg.n_head,

@@ -179,11 +179,51 @@ def _announce(cfg: TrainConfig, info: DistInfo) -> None:
         f"{info.world_size} rank(s) = {global_batch} sequences ({global_batch * cfg.block_size} tokens) per step")
 
 
+def available_memory(device: torch.device) -> int | None:
+    """Bytes this machine can still give: the GPU's free memory, or the system's available memory
+    (``MemAvailable`` in /proc/meminfo, else free pages); None where neither can be read."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def check_fits(gpt: GPTConfig, info: DistInfo) -> None:
+    """Refuse a model whose weights alone do not fit, before allocating them (a ConfigError, exit 2).
+
+    Every strategy builds the whole model in every process before wrapping it, so the weights (4 bytes
+    per parameter) of each process sharing this machine's memory (or this rank's GPU) are a lower
+    bound of what the job needs: a job refused here could not have run. Training adds the gradients
+    and AdamW's two moments, 16 bytes per parameter in all unless a strategy shards them."""
+    free = available_memory(info.device)
+    n = gpt.num_params()
+    sharing = 1 if info.device.type == "cuda" else info.local_world_size
+    need = 4 * n * sharing
+    if free is None or need <= free:
+        return
+    where = f"this GPU has {free / 1e9:,.1f} GB free" if info.device.type == "cuda" else (
+        f"this machine has {free / 1e9:,.1f} GB available")
+    raise ConfigError(f"this MiniGPT (--n_layer={gpt.n_layer}, --n_embd={gpt.n_embd}, --block_size={gpt.block_size}) "
+                      f"has {n:,} parameters: {4 * n / 1e9:,.1f} GB of weights in each of the {sharing} process(es) "
+                      f"on this {'GPU' if info.device.type == 'cuda' else 'machine'}, {16 * n / 1e9:,.1f} GB each with "
+                      f"their gradients and AdamW's state, and {where}. Use a smaller --n_embd or --n_layer.")
+
+
 def _build(cfg: TrainConfig, info: DistInfo) -> _Job:
     """Data, the model (same seed on every rank: identical initial models), the strategy, AdamW, scaler."""
     data = prepare(cfg.corpus, cfg.block_size, cfg.val_fraction, announce=log)
+    gpt = GPTConfig.from_train(cfg, data.tokenizer.vocab_size)
+    check_fits(gpt, info)  # before a byte of it is allocated
     seed_everything(cfg.seed)
-    model = MiniGPT(GPTConfig.from_train(cfg, data.tokenizer.vocab_size)).to(info.device)
+    model = MiniGPT(gpt).to(info.device)
     n_params, flops_per_token = model.num_params(), model.flops_per_token()
     if cfg.compile:
         model = torch.compile(model)

@@ -253,3 +253,29 @@ def test_no_course_module_loads_a_file_of_the_repository_by_its_path():
     found = [str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py")
              if any(call in p.read_text(encoding="utf-8") for call in ("spec_from_file_location(", "run_path("))]
     assert sorted(set(found) - allowed) == [], found
+
+
+# --------------------------------------------------------------------------------------------------
+# A program of the course that pins the CPU on every machine says why (``dist.setup(..., because=...)``,
+# printed in its first line); the exercise scripts run on the CPU by the course's design and are not
+# programs of the package.
+
+def cpu_pins_without_a_reason(source: str) -> list[int]:
+    """Lines of ``setup(device="cpu", ...)`` calls that give no ``because``."""
+    return [node.lineno for node in ast.walk(ast.parse(source))
+            if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", "")) == "setup"
+            and any(k.arg == "device" and isinstance(k.value, ast.Constant) and k.value.value == "cpu"
+                    for k in node.keywords)
+            and not any(k.arg == "because" for k in node.keywords)]
+
+
+def test_every_program_that_pins_the_cpu_says_why():
+    found = [f"{p.relative_to(ROOT)}:{line}" for p in sorted(PACKAGE.rglob("*.py"))
+             for line in cpu_pins_without_a_reason(p.read_text())]
+    assert not found, "setup(device='cpu') without because=... (say why this program stays on the CPU): " + ", ".join(found)
+
+
+def test_the_cpu_pin_scan_sees_a_missing_reason():
+    assert cpu_pins_without_a_reason('with setup(device="cpu", timeout_s=3) as info:\n    pass') == [1]
+    assert not cpu_pins_without_a_reason('with setup(device="cpu", because="gloo timeouts") as info:\n    pass')
+    assert not cpu_pins_without_a_reason('with setup(device=opts["device"]) as info:\n    pass')

@@ -251,3 +251,26 @@ def test_every_commands_help_goes_to_stdout_with_exit_0(argv, capsys):
     assert course_cli.main(argv) == 0
     out, err = capsys.readouterr()
     assert out.strip() and not err
+
+
+def test_a_model_too_big_for_memory_is_refused_before_allocating(tmp_path):
+    r = python_module("ddp_course.train", ["--n_embd=100000", "--max_steps=1", f"--out_dir={tmp_path}"],
+                      timeout=60, check=False)
+    assert r.returncode == 2
+    line = one_error_line(r.stderr)
+    assert "240,015,700,000 parameters" in line and "GB available" in line and "smaller --n_embd" in line
+
+
+def test_the_memory_check_counts_every_process_on_the_machine(monkeypatch):
+    from ddp_course.dist import DistInfo
+    from ddp_course.model import GPTConfig, MiniGPT
+
+    gpt = GPTConfig(vocab_size=65, block_size=32, n_layer=2, n_head=4, n_embd=64)
+    assert gpt.num_params() == MiniGPT(gpt).num_params()  # the count without building the model
+    weights = 4 * gpt.num_params()
+    monkeypatch.setattr(train, "available_memory", lambda device: 2 * weights)
+    train.check_fits(gpt, DistInfo(world_size=2, local_world_size=2))  # two copies fit exactly
+    with pytest.raises(ConfigError, match="in each of the 3 process"):
+        train.check_fits(gpt, DistInfo(world_size=3, local_world_size=3))
+    monkeypatch.setattr(train, "available_memory", lambda device: None)  # unknown: never refuse
+    train.check_fits(gpt, DistInfo(world_size=3, local_world_size=3))

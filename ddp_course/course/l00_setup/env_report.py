@@ -23,8 +23,10 @@ from ddp_course.metrics import write_json
 PROG = "torchrun --standalone --nproc_per_node=2 -m ddp_course.course.l00_setup.env_report"
 DEFAULTS = {"out_dir": "runs/env_report", "device": "auto"}  # --device: auto, cpu or cuda
 
-# Set by torchrun for every worker. The first six are what any launcher must provide for
-# init_process_group's default env:// rendezvous; the rest are torchrun's extras.
+# Set by torchrun for every worker. Of the first six, env:// (init_process_group's default) reads RANK,
+# WORLD_SIZE, MASTER_ADDR and MASTER_PORT; LOCAL_RANK and LOCAL_WORLD_SIZE are for the program. The
+# rest are torchrun's extras, of which env:// also reads TORCHELASTIC_USE_AGENT_STORE ("True": the
+# agent hosts the store; torch/distributed/rendezvous.py, _create_c10d_store).
 LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                  "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME",
                  "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS",

@@ -194,6 +194,7 @@ def train_variant(name: str, opts: dict[str, Any], ctx: dict[str, Any], train_ds
         optimizer = torch.optim.AdamW(model.parameters(), lr=opts["adamw_lr"])
     else:
         optimizer = torch.optim.SGD(model.parameters(), lr=opts["lr"], momentum=0.9)
+    key_bias = watch_key_biases(raw, optimizer) if spec.optimizer == "adamw" else None  # for section 6, not the recipe
 
     # 6. Data. The sampler shards one shuffled permutation of the dataset: rank r takes every W-th
     #    index from position r, so the ranks' batches are disjoint and together they are the batch a
@@ -277,6 +278,7 @@ def train_variant(name: str, opts: dict[str, Any], ctx: dict[str, Any], train_ds
             "steps_per_epoch": steps_per_epoch, "options": opts,
             "losses": losses, "val_loss": val_loss, "seen": all_seen,
             "replica_spread": {"init": init_spread, "start": start_spread, "end": end_spread},
+            "key_bias": key_bias,
             "state_dict_first_key": {"model": next(iter(model.state_dict())),
                                      "unwrapped": next(iter(raw.state_dict()))},
             "wall_s": time.perf_counter() - t0})
@@ -284,6 +286,27 @@ def train_variant(name: str, opts: dict[str, Any], ctx: dict[str, Any], train_ds
               f"wrote {show(Path(out) / 'result.json')}", flush=True)
     if distributed:
         dist.barrier()
+
+
+def watch_key_biases(model: MiniGPT, optimizer: torch.optim.Optimizer) -> dict[str, list[float]]:
+    """Record, at every optimizer step, the largest |gradient| of the attention key biases (the key third
+    of each ``attn.qkv.bias``, whose true gradient is zero: lesson 04, section 6) and the largest step
+    the optimizer gives them; the returned dict fills as training runs (optimizer step hooks)."""
+    C = model.cfg.n_embd
+    biases = [b.attn.qkv.bias for b in model.blocks]
+    out: dict[str, list[float]] = {"grad_max": [], "step_max": []}
+    before: list[torch.Tensor] = []
+
+    def pre(opt, args, kwargs) -> None:
+        out["grad_max"].append(max(b.grad[C:2 * C].abs().max().item() for b in biases))
+        before[:] = [b.detach()[C:2 * C].clone() for b in biases]
+
+    def post(opt, args, kwargs) -> None:
+        out["step_max"].append(max((b.detach()[C:2 * C] - b0).abs().max().item() for b, b0 in zip(biases, before)))
+
+    optimizer.register_step_pre_hook(pre)
+    optimizer.register_step_post_hook(post)
+    return out
 
 
 def check_options(opts: dict[str, Any]) -> dict[str, Any]:

@@ -204,7 +204,9 @@ def main(argv: list[str]) -> int:
     out = Path(opts["out_dir"])
     path = out / "checkpoint.pt"
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    with setup(device="cpu", timeout_s=30, threads=1) as info:
+    with setup(device="cpu", timeout_s=30, threads=1,
+               because="the exercise's script runs on the CPU, and this job runs its functions as the script does"
+               ) as info:
         data = prepare("tinyshakespeare", block_size=32, val_fraction=0.1, announce=lambda msg: None)
         model, optimizer = exercise.fresh_start(data, info)
         if attempt == 0:
