@@ -64,7 +64,8 @@ def refusal(n_gpus: int) -> str:
     what = ("PyTorch sees no CUDA GPU here" if n_gpus == 0 else
             "PyTorch sees one CUDA GPU here")
     return (f"--strategy=dp needs at least 2 CUDA GPUs, and {what}. nn.DataParallel does nothing without "
-            "CUDA devices: on a machine without them it keeps device_ids empty and simply calls the wrapped "
+            "CUDA devices (or another accelerator it supports: XPU, MTIA or a custom backend, not Apple's MPS): "
+            "on a machine without one it keeps device_ids empty and simply calls the wrapped "
             "module -- no scatter, no replicas, no gradient reduction -- and with a single GPU it does the "
             "same on that GPU. Rather than pretend to run data parallelism, the course stops here. The "
             f"lesson's CPU walk-through ({LESSON}, functions in ddp_course.course.l03_data_parallel.dp_mechanism) shows every step of "

@@ -39,8 +39,9 @@ def skip_reason(gpus_wanted: int = 0) -> str | None:
         seen = "no CUDA GPU" if n == 0 else "one CUDA GPU"
         return (f"DP vs DDP needs at least 2 CUDA GPUs and PyTorch sees {seen} on this machine "
                 f"(torch {torch.__version__}, CUDA build: {torch.version.cuda or 'no'}). nn.DataParallel does "
-                "nothing without CUDA devices, so there is nothing real to measure here; lesson 03 shows the "
-                "mechanism by hand on CPU tensors instead.")
+                "nothing without CUDA devices (or another accelerator it supports; the course uses CUDA), so "
+                "there is nothing real to measure here; lesson 03 shows the mechanism by hand on CPU tensors "
+                "instead.")
     if gpus_wanted == 1 or gpus_wanted > n:
         return f"--gpus={gpus_wanted} but the comparison needs 2..{n} GPUs on this machine."
     return None

@@ -1,6 +1,7 @@
 """The nn.DataParallel mechanism by hand, step by step, on CPU tensors (lesson 03).
 
-``nn.DataParallel`` only does its work on CUDA devices, so on a CPU machine this module does the same
+``nn.DataParallel`` only does its work on accelerator devices (CUDA, XPU, MTIA or a custom backend; not
+Apple's MPS: ``torch._utils._get_available_device_type``), so on a CPU machine this module does the same
 steps in plain PyTorch, each one a function the notebook calls and prints:
 
 1. :func:`scatter`      split the batch along dim 0 into one chunk per replica (``torch.chunk``, like DP)
