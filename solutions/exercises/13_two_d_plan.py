@@ -23,7 +23,6 @@ same way and names what went wrong:
 import json
 import sys
 
-import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard

@@ -33,6 +33,135 @@ ROOT_PARAMS = ("tok_emb.weight", "pos_emb.weight", "ln_f.weight", "ln_f.bias")
 LINEAR = (".attn.qkv.weight", ".attn.qkv.bias", ".attn.proj.weight", ".mlp.fc.weight", ".mlp.fc.bias", ".mlp.proj.weight")
 
 
+# --- where each layout goes: the plan's, against the probe's records (two_d_harness.probe_layouts) ----
+
+SLICE, WHOLE = "a slice of the sequence", "the whole sequence"
+# per probed module: what its input and its output hold under the plan (on a rank of a tp group)
+PLAN = {"blocks.0": (SLICE, SLICE), "blocks.0.ln1": (SLICE, SLICE), "blocks.0.attn": (WHOLE, SLICE),
+        "blocks.0.attn.qkv": (WHOLE, WHOLE), "blocks.0.attn.proj": (WHOLE, SLICE), "blocks.0.ln2": (SLICE, SLICE),
+        "blocks.0.mlp": (WHOLE, SLICE), "blocks.0.mlp.fc": (WHOLE, WHOLE), "blocks.0.mlp.proj": (WHOLE, SLICE),
+        "ln_f": (SLICE, SLICE), "head": (WHOLE, WHOLE)}
+SHORT = {"blocks.0.attn": "attn", "blocks.0.mlp": "mlp", "blocks.0.attn.qkv": "attn.qkv", "blocks.0.mlp.fc": "mlp.fc",
+         "blocks.0.attn.proj": "attn.proj", "blocks.0.mlp.proj": "mlp.proj", "blocks.0.ln1": "ln1",
+         "blocks.0.ln2": "ln2"}
+
+
+def _holds(layout: dict[str, Any]) -> str:
+    if layout["local_seq"] == layout["seq"]:
+        return WHOLE
+    return SLICE if layout["local_seq"] * 2 == layout["seq"] else f"{layout['local_seq']} of {layout['seq']} tokens"
+
+
+STYLE = {"attn.qkv": "column-wise", "mlp.fc": "column-wise", "attn.proj": "row-wise", "mlp.proj": "row-wise"}
+
+
+def _split(weight: list[str]) -> str | None:
+    """How a linear layer's weight is split over tp, from its placements ((dp, tp) with FSDP on top)."""
+    tp = weight[-1] if weight else ""
+    return {"S(0)": "column-wise", "S(1)": "row-wise"}.get(tp)
+
+
+def layout_problem(records: list[dict[str, Any]]) -> str | None:
+    """The first module whose weight, input or output is not laid out as the plan's, said as the
+    mistake it shows; None when every probed module matches. Weights first, then inputs in the order
+    the modules ran, then outputs from the innermost module out (a wrong output shows in every module
+    around it too)."""
+    for r in records:
+        name = SHORT.get(r["module"], r["module"])
+        if name in STYLE and r.get("weight") and _split(r["weight"]) != STYLE[name]:
+            got = _split(r["weight"]) or "not at all"
+            return (f"{name} is split {got} over tp; the plan splits it {STYLE[name]}: qkv and mlp.fc column-wise "
+                    "(ColwiseParallel: each rank its heads or hidden units), attn.proj and mlp.proj row-wise "
+                    "(RowwiseParallel: each rank sums its part of the output).")
+    problem = _input_problem(records)
+    if problem:
+        return problem
+    return _output_problem(sorted(records, key=lambda r: -r["module"].count(".")))
+
+
+def _input_problem(records: list[dict[str, Any]]) -> str | None:
+    for r in records:
+        module = r["module"]
+        want_in, want_out = PLAN.get(module, (None, None))
+        name = SHORT.get(module, module)
+        lin = r.get("input")
+        if lin is not None and want_in is not None:
+            got = _holds(lin)
+            if module.endswith(("ln1", "ln2")) or module == "ln_f":
+                if not lin["dtensor"]:
+                    return (f"{name} normalises a slice of the sequence as a plain module: without SequenceParallel its "
+                            "weight and bias are not replicated over tp, so their gradients come from this rank's "
+                            "tokens only. Give every LayerNorm SequenceParallel().")
+            if got != want_in:
+                if module.endswith((".attn", ".mlp")):
+                    why = ("attention mixes the tokens, and each rank's heads need every one" if name == "attn" else
+                           "each rank computes its hidden units for every token, and its proj then sums them and cuts "
+                           "the sequence")
+                    return (f"{name} receives {got}, but it needs {want_in}: {why}. Gather the sequence before it: "
+                            f"PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)) on {name}.")
+                if module.endswith((".qkv", ".fc")):
+                    taken = " and treats it as the whole (a local slice declared Replicate)" if lin["placements"] == ["R"] else ""
+                    return (f"{name} receives {got}{taken}: a column-wise layer needs the whole sequence. Gather it "
+                            f"before the {'attention' if 'attn' in name else 'MLP'} (PrepareModuleInput(Shard(1) -> "
+                            "Replicate)), and keep SequenceParallel's output a DTensor (its default).")
+                if module == "blocks.0":
+                    return ("the first block receives the whole sequence, but the residual stream between blocks is "
+                            "sequence-parallel: cut it at the first block's input, PrepareModuleInput(input_layouts="
+                            "(Replicate(),), desired_input_layouts=(Shard(1),), use_local_output=True) on blocks.0.")
+                if module == "head":
+                    return ("the head receives a slice of the sequence: the logits need every token. Gather it: "
+                            "PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)) on head.")
+                return f"{name} receives {got} where the plan has {want_in}."
+    return None
+
+
+def _output_problem(records: list[dict[str, Any]]) -> str | None:
+    for r in records:
+        module = r["module"]
+        want_in, want_out = PLAN.get(module, (None, None))
+        name = SHORT.get(module, module)
+        lout = r.get("output")
+        if lout is not None and want_out is not None:
+            got = _holds(lout)
+            if got != want_out:
+                if module.endswith(".proj") and got == WHOLE:
+                    return (f"{name} hands on the whole sequence where the residual stream holds a slice: a row-wise "
+                            "layer's output is a partial sum on each rank, and it must be summed over tp *and* cut back "
+                            "onto the sequence. RowwiseParallel(output_layouts=Shard(1)) does both (a reduce-scatter); "
+                            "RowwiseParallel() all-reduces it to the whole sequence, and output_layouts=Partial() leaves "
+                            "the sum undone.")
+                if module.endswith((".attn", ".mlp")) and got not in (WHOLE, SLICE):
+                    return (f"{name}'s output holds {got}: it was reduced and cut onto the sequence twice. "
+                            "RowwiseParallel(output_layouts=Shard(1)) on its proj already does it; drop the second one.")
+                return f"{name}'s output holds {got} where the plan has {want_out}."
+    return None
+
+
+def _probe(output: str) -> list[dict[str, Any]] | None:
+    import json
+
+    for line in output.splitlines():
+        if line.startswith("PROBE "):
+            return json.loads(line[len("PROBE "):])
+    return None
+
+
+def hint(output: str) -> str:
+    """What a failed job's output says about the plan: the first layout against the plan's, or what
+    the exception shows of the order of the calls."""
+    if "overlapping meshes" in output:
+        return ("\nThe classic mistake: FSDP given the whole 2-D mesh. fully_shard then spans both dimensions, the "
+                "tensor-parallel one included, which the parameters already use. Give it the data-parallel "
+                "dimension only: fully_shard(module, mesh=mesh['dp']).")
+    if "only accepts torch.Tensor but got" in output and "parallelize_module" in output:
+        return ("\nThe classic mistake: tensor parallelism applied after fully_shard. FSDP has already made the "
+                "parameters DTensors sharded over dp, and parallelize_module can only split plain tensors. Split "
+                "over tp first, then shard over dp.")
+    records = _probe(output)
+    problem = layout_problem(records) if records else None
+    return f"\nWhere it went wrong: {problem}" if problem else ""
+
+
 def _counts(r: dict[str, Any], phase: str) -> dict[str, int]:
     return {k: v for k, v in r["collectives"][phase].items() if v}
 
@@ -78,10 +207,18 @@ def diagnose(found: list[dict[str, Any]], expected: dict[str, dict[str, int]]) -
         if problem:
             return Verdict(False, problem)
     fwd, bwd = _counts(r0, "forward"), _counts(r0, "backward")
+    ok = all(r["ok"] for r in found)
+    plan_comm = fwd == expected["forward"] and bwd == expected["backward"]
+    if not (ok and plan_comm):
+        problem = layout_problem(r0.get("probe") or [])
+        if problem:
+            agree = ("The numbers agree with one process -- DTensor found another way to compute it -- but not the "
+                     "plan: " if ok else "")
+            return Verdict(False, f"{agree}{problem} {_parity(found)} Per step: {_fmt(fwd)} in forward, {_fmt(bwd)} in "
+                                  f"backward (the plan: {_fmt(expected['forward'])}; {_fmt(expected['backward'])}).")
     tp_fwd = {k: v for k, v in fwd.items() if k.startswith("tp:")}
     want_tp = {k: v for k, v in expected["forward"].items() if k.startswith("tp:")}
-    ok = all(r["ok"] for r in found)
-    if ok and fwd == expected["forward"] and bwd == expected["backward"]:
+    if ok and plan_comm:
         share = r0["states"]["params"] / r0["full_bytes"]
         return Verdict(True, f"the 2 x 2 plan trains like one process (loss {max(r['loss_rel_diff'] for r in found):.1e}, "
                              f"first gradients {max(r['grad_rel_err'] for r in found):.1e}, weights "
@@ -138,7 +275,7 @@ def expected(path: str | Path) -> dict[str, dict[str, int]]:
 
 def grade(path: str | Path, timeout: float = 240) -> Verdict:
     """Run the script on 4 ranks; judge its numbers, its placements and its collectives."""
-    found = run_exercise(path, NPROC, "make_mesh() and parallelize()", timeout)
+    found = run_exercise(path, NPROC, "make_mesh() and parallelize()", timeout, hint=hint)
     if isinstance(found, Verdict):
         return found
     verdict = diagnose(found, expected(path))

@@ -135,6 +135,60 @@ def fsdp_units(model: nn.Module) -> dict[str, Any]:
             "blocks": [isinstance(b, FSDPModule) for b in getattr(model, "blocks", [])]}
 
 
+PROBED = ("blocks.0", "blocks.0.ln1", "blocks.0.attn", "blocks.0.attn.qkv", "blocks.0.attn.proj", "blocks.0.ln2",
+          "blocks.0.mlp", "blocks.0.mlp.fc", "blocks.0.mlp.proj", "ln_f", "head")
+
+
+def _layout(t: Any, seq: int) -> dict[str, Any] | None:
+    """How a module's first input or output lies on this rank: a DTensor's placements, or a plain
+    tensor's local sequence length (the whole ``seq``, or a slice of it)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(t, tuple | list):
+        t = t[0] if t else None
+    if not isinstance(t, torch.Tensor) or t.dim() < 2:
+        return None
+    if isinstance(t, DTensor):
+        return {"dtensor": True, "placements": [str(p) for p in t.placements], "local_seq": t.to_local().shape[1],
+                "seq": seq}
+    return {"dtensor": False, "placements": [], "local_seq": t.shape[1], "seq": seq}
+
+
+@contextlib.contextmanager
+def probe_layouts(model: nn.Module, seq: int):
+    """Record, while active, the layout of the first input and the output of the modules in ``PROBED``
+    (the first block's, the final LayerNorm, the head) in the order they run; the records are printed
+    as one ``PROBE {json}`` line when the block ends, also when the forward fails (then the last record
+    shows where)."""
+    import json
+    import sys
+
+    records: list[dict[str, Any]] = []
+    handles = []
+    for name, module in model.named_modules():
+        if name in PROBED:
+            def pre(mod, args, name=name):
+                weight = getattr(mod, "weight", None)
+                records.append({"module": name, "input": _layout(args, seq),
+                                "weight": [str(p) for p in weight.placements] if hasattr(weight, "placements") else []})
+
+            def post(mod, args, out, name=name):
+                for r in reversed(records):
+                    if r["module"] == name and "output" not in r:
+                        r["output"] = _layout(out, seq)
+                        break
+
+            handles += [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
+    try:
+        yield records
+    finally:
+        for h in handles:
+            h.remove()
+        if dist.get_rank() == 0:
+            sys.stdout.write("PROBE " + json.dumps(records) + "\n")
+            sys.stdout.flush()
+
+
 def train_side_by_side(make_model: Callable[[], nn.Module], parallelize: Callable, mesh, info, *, tp: int,
                        batch_size: int, steps: int, lr: float, seed: int, data: list | None = None,
                        loss_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
@@ -150,9 +204,11 @@ def train_side_by_side(make_model: Callable[[], nn.Module], parallelize: Callabl
     dp_rank, dp = mesh["dp"].get_local_rank(), mesh["dp"].size()
     model = parallelize(make_model(), mesh)
     placed, units = where(model), fsdp_units(model)
+    per = batch_size // dp
+    with torch.no_grad(), loss_context(), probe_layouts(model, cfg.block_size) as probed:  # where each layout goes
+        model(data[0][0][dp_rank * per:(dp_rank + 1) * per].clone(), data[0][1][dp_rank * per:(dp_rank + 1) * per].clone())
     opt = torch.optim.AdamW(model.parameters(), lr=lr, foreach=False)  # any mix of meshes, one tensor at a time
     losses, out = [], {}
-    per = batch_size // dp
     for step, (x, y) in enumerate(data):
         # this rank's share, as a data loader would hand it (a copy: a slice would keep the whole batch alive)
         xs, ys = x[dp_rank * per:(dp_rank + 1) * per].clone(), y[dp_rank * per:(dp_rank + 1) * per].clone()
@@ -189,7 +245,7 @@ def train_side_by_side(make_model: Callable[[], nn.Module], parallelize: Callabl
     out.update(rank=info.rank, world_size=info.world_size, dp=dp, tp=mesh["tp"].size(), dp_rank=dp_rank,
                losses=losses, reference_losses=ref["losses"],
                loss_rel_diff=max(abs(a - b) / b for a, b in zip(losses, ref["losses"])),
-               update_rel_diff=rel(moved, want), params=placed, fsdp_units=units,
+               update_rel_diff=rel(moved, want), params=placed, fsdp_units=units, probe=probed,
                full_bytes=sum(t.numel() * t.element_size() for t in init.values()))
     out["ok"] = out["loss_rel_diff"] <= LOSS_RTOL and out["grad_rel_err"] <= GRAD_RTOL and out["update_rel_diff"] <= UPDATE_RTOL
     return out
