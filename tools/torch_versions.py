@@ -5,12 +5,13 @@
     python tools/torch_versions.py record --torch 2.10.0 --commit <hash> --result "..."   # after a run
 
 ``docs/torch_versions.json`` is the record: one row per version tried, with the commit it ran at. The
-rows whose ``role`` is ``floor`` (the version ``pyproject.toml`` asks for at least) or ``newest`` (the
-newest release tried) are *guarded*: they also hold a digest of the code of every version-sensitive
-file as it was at that commit (its syntax tree without comments and docstrings, ``code_digest``). A file is version-sensitive when it imports one of the parts of PyTorch that
+row whose ``role`` is ``floor`` (the version ``pyproject.toml`` asks for at least) is *guarded*: it
+also holds a digest of the code of every version-sensitive file as it was at that commit (its syntax
+tree without comments and docstrings, ``code_digest``). The other rows, the newest release's included,
+show their commit in the README's table, so that a reader sees how old each one is. A file is version-sensitive when it imports one of the parts of PyTorch that
 changed behaviour between the releases the course was run on (``SENSITIVE_APIS``: the pipelining
 stage's stride check in 2.10, FSDP2's reduce op on gloo before 2.8, DCP's state dicts), or is named in
-``ALSO`` with its reason. When any of them differs from what a guarded row measured, or a new one
+``ALSO`` with its reason. When any of them differs from what the floor's run measured, or a new one
 appears, ``check`` fails (``tests/course/test_torch_versions.py`` runs it in ``make test``) until the
 suite is rerun on that version (``make test-torch TORCH_SPEC="torch==X"`` on a fresh clone) and the
 row recorded again. The digests are computed from the files themselves, so a shallow clone checks the
@@ -45,7 +46,7 @@ SENSITIVE_APIS = (
 ALSO = {
     "ddp_course/dist.py": "the exit guard: gloo's workers outlive the interpreter from 2.11 on (EXIT_GUARD_NEEDED_FROM)",
 }
-GUARDED_ROLES = ("floor", "newest")
+GUARDED_ROLES = ("floor",)  # the claim pyproject.toml makes; the other rows say at which commit they ran
 TABLE_START, TABLE_END = "<!-- torch-versions: made by tools/torch_versions.py readme -->", "<!-- /torch-versions -->"
 
 
