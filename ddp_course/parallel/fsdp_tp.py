@@ -84,15 +84,6 @@ def wrap(model: nn.Module, info: DistInfo, cfg: TrainConfig) -> nn.Module:
     return model
 
 
-def build_optimizer(model: nn.Module, cfg: TrainConfig, device: torch.device) -> torch.optim.Optimizer:
-    """The course's AdamW (decay on matrices only, betas 0.9 and 0.95), one tensor at a time: the
-    parameters are DTensors on two meshes (``(dp, tp)`` and ``dp``), which the multi-tensor and fused
-    kernels (the default on CUDA) refuse to mix."""
-    from ddp_course.parallel import adamw_options, decay_groups
-
-    return torch.optim.AdamW(decay_groups(model, cfg), **{**adamw_options(cfg, device), "fused": False, "foreach": False})
-
-
 @contextlib.contextmanager
 def sync_context(model: nn.Module, sync: bool) -> Iterator[None]:
     """FSDP's: no reduce-scatter over ``dp`` until the final micro-step (tensor parallelism's

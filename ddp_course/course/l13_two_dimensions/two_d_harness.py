@@ -207,7 +207,7 @@ def train_side_by_side(make_model: Callable[[], nn.Module], parallelize: Callabl
     per = batch_size // dp
     with torch.no_grad(), loss_context(), probe_layouts(model, cfg.block_size) as probed:  # where each layout goes
         model(data[0][0][dp_rank * per:(dp_rank + 1) * per].clone(), data[0][1][dp_rank * per:(dp_rank + 1) * per].clone())
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, foreach=False)  # any mix of meshes, one tensor at a time
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, foreach=False)  # the reference's AdamW: one tensor at a time
     losses, out = [], {}
     for step, (x, y) in enumerate(data):
         # this rank's share, as a data loader would hand it (a copy: a slice would keep the whole batch alive)
