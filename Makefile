@@ -17,7 +17,7 @@ PY          := $(VENV)/bin/python
 STAMP       := $(VENV)/.ddp_course-installed
 LAB_STAMP   := $(VENV)/.ddp_course-lab-installed
 PYTEST_ARGS ?=
-# pytest workers (pytest-xdist): the notebooks run in order on one of them, the tests share the rest
+# pytest workers (pytest-xdist), each taking whole files: a notebook's cells run in order on one worker
 TEST_WORKERS ?= 2
 # 1: a torch already importable by $(PYTHON) is used when it is at least TORCH_FLOOR (the venv sees
 # the system's site-packages); 0: the venv is isolated and gets $(TORCH_SPEC) (what `make test-torch` does)
@@ -86,7 +86,7 @@ test: setup
 	$(PY) tools/make_lessons.py --answered build/learner
 	DDP_COURSE_NOTEBOOK_RUNS=$(CURDIR)/build/learner \
 	$(PY) -m pytest build/learner tests --nbval-lax --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg \
-	  --nbval-cell-timeout=600 -p no:cacheprovider -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
+	  --nbval-cell-timeout=600 -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 # The whole suite on another PyTorch, e.g. `make test-torch TORCH_SPEC="torch==2.8.0"`: a venv of its
 # own (.venv-torch/..., kept for the next run), isolated from any torch the system has. README.md's

@@ -56,7 +56,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.path.suffix == ".ipynb":
             item.add_marker(pytest.mark.slow)
-            item.add_marker(pytest.mark.xdist_group("notebooks"))  # one worker runs them, cell after cell, in order
     # A test that needs a GPU says so with a marker too, so that `-m cuda` / `-m multigpu` runs every one
     unmarked = [item.nodeid for item in items
                 if any("CUDA GPU" in str(m.kwargs.get("reason", "")) and "needs" in str(m.kwargs.get("reason", ""))
