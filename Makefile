@@ -77,8 +77,9 @@ lab: setup $(LAB_STAMP)
 
 # The notebooks run as a learner's completed copies (answers in place of the TODOs, no markers,
 # the solutions' outputs kept for the cells nbval compares): build/learner, rebuilt each time. They
-# run first: a test that checks the same job as a notebook reads the notebook's run of it
-# (tests/notebook_runs.py) instead of launching it again. The course's own modules are byte-compiled
+# are collected first; with two workers taking whole files, a test that checks the same job as a
+# notebook reads the notebook's run of it (tests/notebook_runs.py) when it has finished, instead of
+# launching it again. The course's own modules are byte-compiled
 # first: every process of every job imports them, and where PYTHONDONTWRITEBYTECODE is set (CI
 # machines) each process would compile them again.
 test: setup
