@@ -17,6 +17,8 @@ PY          := $(VENV)/bin/python
 STAMP       := $(VENV)/.ddp_course-installed
 LAB_STAMP   := $(VENV)/.ddp_course-lab-installed
 PYTEST_ARGS ?=
+# pytest workers (pytest-xdist), each taking whole files: a notebook's cells run in order on one worker
+TEST_WORKERS ?= 2
 # 1: a torch already importable by $(PYTHON) is used when it is at least TORCH_FLOOR (the venv sees
 # the system's site-packages); 0: the venv is isolated and gets $(TORCH_SPEC) (what `make test-torch` does)
 SYSTEM_TORCH ?= 1
@@ -75,8 +77,9 @@ lab: setup $(LAB_STAMP)
 
 # The notebooks run as a learner's completed copies (answers in place of the TODOs, no markers,
 # the solutions' outputs kept for the cells nbval compares): build/learner, rebuilt each time. They
-# run first: a test that checks the same job as a notebook reads the notebook's run of it
-# (tests/notebook_runs.py) instead of launching it again. The course's own modules are byte-compiled
+# are collected first; with two workers taking whole files, a test that checks the same job as a
+# notebook reads the notebook's run of it (tests/notebook_runs.py) when it has finished, instead of
+# launching it again. The course's own modules are byte-compiled
 # first: every process of every job imports them, and where PYTHONDONTWRITEBYTECODE is set (CI
 # machines) each process would compile them again.
 test: setup
@@ -84,7 +87,7 @@ test: setup
 	$(PY) tools/make_lessons.py --answered build/learner
 	DDP_COURSE_NOTEBOOK_RUNS=$(CURDIR)/build/learner \
 	$(PY) -m pytest build/learner tests --nbval-lax --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg \
-	  --nbval-cell-timeout=600 -p no:cacheprovider $(PYTEST_ARGS)
+	  --nbval-cell-timeout=600 -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 # The whole suite on another PyTorch, e.g. `make test-torch TORCH_SPEC="torch==2.8.0"`: a venv of its
 # own (.venv-torch/..., kept for the next run), isolated from any torch the system has. README.md's
