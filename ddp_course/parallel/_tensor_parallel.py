@@ -21,6 +21,7 @@ row-wise, the output head column-wise with its logits left sharded for ``loss_pa
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -33,6 +34,25 @@ if TYPE_CHECKING:
     from ddp_course.model import CausalSelfAttention, MiniGPT
 
 QKV = ("attn.qkv.weight", "attn.qkv.bias")  # the entries whose rows are reordered (suffixes of their names)
+
+
+class _SequentialRedistribution(logging.Filter):
+    """Drops DTensor's note that a redistribution over two mesh dimensions runs as two collectives."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "sequential" not in str(record.msg)
+
+
+def quiet_sequential_redistribution() -> None:
+    """On a 2-D mesh, DTensor logs a warning, on every rank, each time a tensor placed over both
+    dimensions is made whole: the gradients' norm (``clip_grad_norm_``) and a state dict's full
+    tensors, by two collectives, one per dimension (torch/distributed/tensor/_redistribute.py,
+    "sequential ... operations will be performed"). The course asks for those on purpose, once per
+    step and per checkpoint, and every rank runs the same two in the same order; the warning repeats
+    at each, with a path of the machine's PyTorch. Other warnings of that logger still pass."""
+    logger = logging.getLogger("torch.distributed.tensor._redistribute")
+    if not any(isinstance(f, _SequentialRedistribution) for f in logger.filters):
+        logger.addFilter(_SequentialRedistribution())
 
 
 def hidden_block(n: int, rank: int, world_size: int) -> slice:

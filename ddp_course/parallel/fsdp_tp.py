@@ -75,6 +75,7 @@ def wrap(model: nn.Module, info: DistInfo, cfg: TrainConfig) -> nn.Module:
                           "`torchrun --standalone --nproc_per_node=4 -m ddp_course.train --strategy=fsdp_tp --tp=2` "
                           "(or ddp_course.launch.run(..., nproc=4)).")
     mesh = device_mesh(info, cfg)
+    tp_plan.quiet_sequential_redistribution()
     tp_plan.tensor_parallel(model, mesh["tp"], sequence_parallel=True)
     options = {"mesh": mesh["dp"], "mp_policy": mp_policy(cfg)}
     for block in model.blocks:  # the order of lesson 09: each block one unit, then the root

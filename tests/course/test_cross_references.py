@@ -47,7 +47,7 @@ TOPICS: dict[str, tuple[str, ...]] = {
     "11": ("beyond data parallelism", "tensor parallelism", "pipeline parallelism", "parallelize_module"),
     "12": ("debugging lab", "broken program", "classic DDP bug"),
     "13": ("two dimensions", "2-D mesh", "2-D plan", "sequence parallelism", "sequence parallel", "fsdp_tp",
-           "loss_parallel", "vocabulary-sharded"),
+           "loss_parallel", "vocabulary-sharded", "FSDP x tensor parallel"),
 }
 WINDOW = 60  # characters each side: a few words, about one clause of a sentence
 

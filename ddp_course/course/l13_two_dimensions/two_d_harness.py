@@ -28,8 +28,8 @@ from ddp_course.parallel import _tensor_parallel as tp_plan
 # fp32 tolerances. The split model adds the same numbers as one process in other orders (a row-wise
 # layer sums its partial products over tp, FSDP averages over dp, the loss is averaged over dp
 # groups): ~1e-7 relative on the loss and the gradients, which the bounds below leave a factor of 10
-# to 100 above. The weights after a few AdamW steps carry, besides, the differences of the near-zero
-# gradients that AdamW moves far more than SGD would (lesson 04, section 6): ~1e-5 of the distance
+# to 100 above. The weights after a few AdamW steps carry, besides, the differences of the tiny
+# gradients that AdamW moves far more than SGD would (lesson 04, section 6): ~5e-5 of the distance
 # the weights moved, under 1e-3.
 LOSS_RTOL, GRAD_RTOL, UPDATE_RTOL = 1e-6, 1e-5, 1e-3
 KINDS = {"all_gather": "all_gather", "allgather": "all_gather", "reduce_scatter": "reduce_scatter",
@@ -196,6 +196,7 @@ def train_side_by_side(make_model: Callable[[], nn.Module], parallelize: Callabl
     """Train ``parallelize(make_model(), mesh)`` on this rank's share of each global batch, and
     ``make_model()`` on the whole of it in this process; every number of the module docstring.
     ``data``: the global batches (default: ``steps`` batches of random tokens, seeded)."""
+    tp_plan.quiet_sequential_redistribution()  # the weights and gradients made whole below, over both dims
     model0 = make_model()
     cfg = model0.cfg
     data = data if data is not None else global_batches(cfg.vocab_size, cfg.block_size, batch_size, steps, seed)
@@ -204,10 +205,19 @@ def train_side_by_side(make_model: Callable[[], nn.Module], parallelize: Callabl
     dp_rank, dp = mesh["dp"].get_local_rank(), mesh["dp"].size()
     model = parallelize(make_model(), mesh)
     placed, units = where(model), fsdp_units(model)
+    from torch.distributed.fsdp import FSDPModule
+
     per = batch_size // dp
+    # The optimizer is built before any forward: fully_shard's root keeps its parameters unsharded
+    # after a forward (torch/distributed/fsdp/_fully_shard/_fsdp_state.py, "For the root, do not
+    # reshard after forward"), swapped onto the modules in place of the sharded ones
+    # (_fsdp_param.py, _setattr_on_modules). An optimizer built then holds those unsharded tensors,
+    # and its steps never reach the root's sharded parameters: the embeddings and ln_f stay put.
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, foreach=False)  # the reference's AdamW: one tensor at a time
     with torch.no_grad(), loss_context(), probe_layouts(model, cfg.block_size) as probed:  # where each layout goes
         model(data[0][0][dp_rank * per:(dp_rank + 1) * per].clone(), data[0][1][dp_rank * per:(dp_rank + 1) * per].clone())
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, foreach=False)  # the reference's AdamW: one tensor at a time
+    if isinstance(model, FSDPModule):
+        model.reshard()  # as after a training step: the first counted forward all-gathers the root again
     losses, out = [], {}
     for step, (x, y) in enumerate(data):
         # this rank's share, as a data loader would hand it (a copy: a slice would keep the whole batch alive)
