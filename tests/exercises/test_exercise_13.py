@@ -69,8 +69,11 @@ MISTAKES = {
 
 @pytest.mark.timeout(240)
 def test_classic_mistakes_are_rejected_and_named(tmp_path):
-    attempts = {name: exercise_attempt(tmp_path / f"{i}", NAME, "parallelize", body)
-                for i, (name, (body, _)) in enumerate(MISTAKES.items())}
+    folders = [tmp_path / str(i) for i in range(len(MISTAKES))]
+    for folder in folders:
+        folder.mkdir()
+    attempts = {name: exercise_attempt(folder, NAME, "parallelize", body)
+                for folder, (name, (body, _)) in zip(folders, MISTAKES.items())}
     verdicts = grade_in_pairs(lambda path: check.grade("13", path), attempts)
     for name, (_, words) in MISTAKES.items():
         v = verdicts[name]
