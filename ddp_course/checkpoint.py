@@ -304,9 +304,7 @@ def save_final(out_dir: str | os.PathLike, step: int, model: nn.Module, info: Di
 
     A collective (every rank calls it). Cheap: the model only, no optimizer.
     """
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
-    model_sd = get_model_state_dict(model, options=_full_options())
+    model_sd = parallel.strategy_of(model).model_state_dict(model, _full_options())
     path = Path(out_dir) / FINAL
     if info.is_main:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -583,9 +581,7 @@ def fingerprint(model: nn.Module, optimizer: torch.optim.Optimizer | None = None
     full = StateDictOptions(full_state_dict=True)  # whole tensors on every rank
     plan = parallel.strategy_of(model)
     if optimizer is None or not plan.has_state(optimizer):  # (an empty state would be initialised by the call)
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
-        feed(get_model_state_dict(model, options=full))
+        feed(plan.model_state_dict(model, full))
     else:
         model_sd, optim_sd = plan.state_dict(model, optimizer, full)
         feed(model_sd)

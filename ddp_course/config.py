@@ -36,7 +36,7 @@ class ConfigError(FlagError):
 # importing the package: ddp_course.parallel imports this module (ConfigError, TrainConfig), never
 # the other way round, so the import graph stays acyclic.
 STRATEGY_DIR = Path(__file__).resolve().with_name("parallel")
-_STRATEGY_ORDER = {"single": 0, "dp": 1, "ddp": 2, "fsdp": 3}
+_STRATEGY_ORDER = {"single": 0, "dp": 1, "ddp": 2, "fsdp": 3, "fsdp_tp": 5}
 
 
 def available_strategies() -> tuple[str, ...]:
@@ -101,6 +101,8 @@ class TrainConfig:
     fsdp_mixed_precision: bool = False  # FSDP: compute with bf16 copies of the parameters, reduce gradients in fp32 (MixedPrecisionPolicy)
     fsdp_shard_size: int = 0  # FSDP: ranks that split one copy of the model between them; 0 = all ranks; a divisor of the world size = hybrid (replicate x shard)
     fsdp_cpu_offload: bool = False  # FSDP: keep the sharded parameters, gradients and optimizer states in CPU memory (needs a GPU)
+    # --- FSDP x tensor parallel (lesson 13) ---------------------------------------------------
+    tp: int = 1  # fsdp_tp: tensor-parallel ranks (heads, width and sequence split over them); the data-parallel size is the world size / tp
 
     def __post_init__(self) -> None:
         self.validate()
@@ -141,6 +143,8 @@ class TrainConfig:
                       f"(got {self.fsdp_shard_size}).")
         if self.global_batch_size < 0:
             raise bad(f"--global_batch_size must be 0 (unused) or positive (got {self.global_batch_size}).")
+        if self.tp < 1:
+            raise bad(f"--tp is the number of tensor-parallel ranks and must be at least 1 (got {self.tp}).")
 
     def resolve_batch(self, world_size: int) -> None:
         """Fix ``grad_accum_steps`` from ``global_batch_size`` for this world size.

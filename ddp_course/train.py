@@ -149,6 +149,8 @@ class _Job:
     n_params: int
     flops_per_token: float
     n_devices: int  # devices doing the arithmetic, for MFU: one per rank, or all of DataParallel's replicas
+    dp_rank: int  # which batches this rank reads: the ranks of one tensor-parallel group read the same ones
+    dp_size: int  # how many different batches one step takes (the world size, unless a strategy splits the model)
 
     @property
     def device(self) -> torch.device:
@@ -160,7 +162,7 @@ class _Job:
 
     @property
     def tokens_per_step(self) -> int:
-        return self.cfg.global_batch(self.info.world_size) * self.cfg.block_size
+        return self.cfg.global_batch(self.dp_size) * self.cfg.block_size
 
     @property
     def shape(self) -> dict[str, int]:
@@ -171,12 +173,14 @@ class _Job:
         return mfu(self.flops_per_token, tokens_per_s, self.n_devices, self.device, self.cfg.precision)
 
 
-def _announce(cfg: TrainConfig, info: DistInfo) -> None:
+def _announce(cfg: TrainConfig, info: DistInfo, dp_size: int) -> None:
     """One line: processes, device, strategy, precision and how the global batch is made up."""
-    global_batch = cfg.global_batch(info.world_size)
+    global_batch = cfg.global_batch(dp_size)
+    ranks = f"{dp_size} rank(s)" if dp_size == info.world_size else (
+        f"{dp_size} data-parallel group(s) of {info.world_size // dp_size} rank(s)")
     log(f"[ddp_course] {info.world_size} process(es) on {info.device_reason}; strategy={cfg.strategy}, "
         f"precision={cfg.precision}, global batch {cfg.micro_batch_size} x {cfg.grad_accum_steps} accum x "
-        f"{info.world_size} rank(s) = {global_batch} sequences ({global_batch * cfg.block_size} tokens) per step")
+        f"{ranks} = {global_batch} sequences ({global_batch * cfg.block_size} tokens) per step")
 
 
 def available_memory(device: torch.device) -> int | None:
@@ -217,7 +221,7 @@ def check_fits(gpt: GPTConfig, info: DistInfo) -> None:
                       f"their gradients and AdamW's state, and {where}. Use a smaller --n_embd or --n_layer.")
 
 
-def _build(cfg: TrainConfig, info: DistInfo) -> _Job:
+def _build(cfg: TrainConfig, info: DistInfo, dp_rank: int, dp_size: int) -> _Job:
     """Data, the model (same seed on every rank: identical initial models), the strategy, AdamW, scaler."""
     data = prepare(cfg.corpus, cfg.block_size, cfg.val_fraction, announce=log)
     gpt = GPTConfig.from_train(cfg, data.tokenizer.vocab_size)
@@ -231,7 +235,7 @@ def _build(cfg: TrainConfig, info: DistInfo) -> _Job:
     model = strategy.wrap(model, info, cfg)
     n_devices = info.world_size * strategy.devices_per_rank(model)
     return _Job(cfg, info, data, model, build_optimizer(model, cfg, info.device), make_scaler(info.device, cfg.precision),
-                n_params, flops_per_token, n_devices)
+                n_params, flops_per_token, n_devices, dp_rank, dp_size)
 
 
 def _resume(job: _Job) -> tuple[int, int, dict[str, Any] | None]:
@@ -249,7 +253,7 @@ def _resume(job: _Job) -> tuple[int, int, dict[str, Any] | None]:
     meta = checkpoint.resume(path, job.model, job.optimizer, job.scaler, info, job.shape)
     start_step = meta["step"]
     start_batch = checkpoint.start_batch(meta, micro_batch_size=cfg.micro_batch_size,
-                                         world_size=info.world_size, grad_accum_steps=cfg.grad_accum_steps)
+                                         world_size=job.dp_size, grad_accum_steps=cfg.grad_accum_steps)
     dropped = checkpoint.drop_metrics_after(job.out_dir, start_step) if info.is_main else 0
     log(f"[ddp_course] resumed from {show(path)} at step {start_step} (saved by {meta['world_size']} rank(s); "
         f"data from micro-batch {start_batch}{f'; {dropped} metrics rows after it dropped' if dropped else ''})")
@@ -264,7 +268,8 @@ def _write_config(job: _Job) -> None:
         **cfg.to_dict(), "world_size": info.world_size, "backend": info.backend, "device": str(job.device),
         "device_reason": info.device_reason, "corpus_source": data.corpus.source,
         "vocab_size": data.tokenizer.vocab_size, "n_params": job.n_params, "flops_per_token": job.flops_per_token,
-        "global_batch_size_resolved": cfg.global_batch(info.world_size), "tokens_per_step": job.tokens_per_step,
+        "global_batch_size_resolved": cfg.global_batch(job.dp_size), "tokens_per_step": job.tokens_per_step,
+        "data_parallel_size": job.dp_size,
         "versions": environment()})
     log(f"[ddp_course] corpus {data.corpus.name} from {show(data.corpus.source)}: {len(data.corpus.text):,} characters,"
         f" vocabulary {data.tokenizer.vocab_size}; model {job.n_params:,} parameters")
@@ -276,12 +281,12 @@ def _train_data(job: _Job, start_step: int, start_batch: int, meta: dict[str, An
     cfg, info, data = job.cfg, job.info, job.data
     pin = job.device.type == "cuda"
     if cfg.data_order == "stream":  # random windows, rank-offset slices of one draw (no sampler, no epochs)
-        batches = stream_batches(data.train.tokens, cfg.block_size, cfg.micro_batch_size, info.rank,
-                                 info.world_size, cfg.seed, start_batch=start_batch, pin_memory=pin)
+        batches = stream_batches(data.train.tokens, cfg.block_size, cfg.micro_batch_size, job.dp_rank,
+                                 job.dp_size, cfg.seed, start_batch=start_batch, pin_memory=pin)
     else:
-        batches = train_batches(data.train, cfg.micro_batch_size, info.rank, info.world_size, cfg.seed,
+        batches = train_batches(data.train, cfg.micro_batch_size, job.dp_rank, job.dp_size, cfg.seed,
                                 start_batch=start_batch, num_workers=cfg.num_workers, pin_memory=pin)
-    per_epoch = len(data.train) // info.world_size // cfg.micro_batch_size if cfg.data_order == "sampler" else None
+    per_epoch = len(data.train) // job.dp_size // cfg.micro_batch_size if cfg.data_order == "sampler" else None
     if start_step and per_epoch and start_batch % per_epoch:  # resumed mid-epoch: see the helper's docstring
         batches = checkpoint.restore_rng_after_first(batches, meta, info)
     return batches, per_epoch
@@ -358,7 +363,7 @@ def _train_row(job: _Job, step: int, loss: float, lr: float, tokens_per_s: float
 def _save_checkpoint(job: _Job, step: int, per_epoch: int | None) -> None:
     """Every rank calls it (collectives): the training state after ``step`` steps, with the data position."""
     cfg, info = job.cfg, job.info
-    position = checkpoint.data_position(step, micro_batch_size=cfg.micro_batch_size, world_size=info.world_size,
+    position = checkpoint.data_position(step, micro_batch_size=cfg.micro_batch_size, world_size=job.dp_size,
                                         grad_accum_steps=cfg.grad_accum_steps, batches_per_epoch=per_epoch)
     path = checkpoint.save(job.out_dir, step, job.model, job.optimizer, job.scaler, info, job.shape,
                            keep_last=cfg.keep_last, fmt=cfg.ckpt_format, position=position)
@@ -419,18 +424,19 @@ def _write_summary(job: _Job, summary: dict[str, Any]) -> None:
 def run_training(cfg: TrainConfig, info: DistInfo) -> dict[str, Any]:
     """The loop itself, inside an initialised process group (or a single process). Returns the summary."""
     cfg = cfg.replace()  # never mutate the caller's config
-    cfg.resolve_batch(info.world_size)
+    dp_rank, dp_size = parallel.get(cfg.strategy).data_parallel(info.rank, info.world_size, cfg)
+    cfg.resolve_batch(dp_size)
     device = info.device
     _check_precision(cfg, device)
-    _announce(cfg, info)
-    job = _build(cfg, info)
+    _announce(cfg, info, dp_size)
+    job = _build(cfg, info, dp_rank, dp_size)
     model, optimizer, scaler = job.model, job.optimizer, job.scaler
     start_step, start_batch, meta = _resume(job)
     if info.is_main:
         _write_config(job)
     metrics = MetricsWriter(job.out_dir, enabled=info.is_main, append=start_step > 0)
     batches, per_epoch = _train_data(job, start_step, start_batch, meta)
-    val = val_batches(job.data.val, cfg.micro_batch_size, cfg.eval_batches, info.rank, info.world_size)
+    val = val_batches(job.data.val, cfg.micro_batch_size, cfg.eval_batches, job.dp_rank, job.dp_size)
 
     reset_peak_memory(device)
     model.train()
@@ -482,7 +488,8 @@ def check_launch(cfg: TrainConfig) -> None:
     ``--out_dir`` (created here; every rank may write into it). Raises :class:`ConfigError`."""
     distributed = launched_by_torchrun()
     world_size = int(os.environ.get("WORLD_SIZE", 1)) if distributed else 1
-    needs_group = parallel.get(cfg.strategy).needs_process_group
+    plan = parallel.get(cfg.strategy)
+    needs_group = plan.needs_process_group
     if needs_group and not distributed:
         raise ConfigError(f"--strategy={cfg.strategy} needs a process group, and this process was not started by "
                           f"torchrun: launch with `torchrun --standalone --nproc_per_node=2 -m ddp_course.train "
@@ -492,7 +499,9 @@ def check_launch(cfg: TrainConfig) -> None:
         raise ConfigError(f"--strategy={cfg.strategy} runs in one process, but this job has {world_size} ranks: "
                           "every rank would train a model of its own. Use --strategy=ddp with torchrun, "
                           "or launch one process.")
-    cfg.replace().resolve_batch(world_size)  # on a copy: run_training resolves the caller's config again
+    rank = int(os.environ.get("RANK", 0)) if distributed else 0
+    _, dp_size = plan.data_parallel(rank, world_size, cfg)  # a strategy refuses a layout it cannot make
+    cfg.replace().resolve_batch(dp_size)  # on a copy: run_training resolves the caller's config again
     check_out_dir(cfg.out_dir)
 
 

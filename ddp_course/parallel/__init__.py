@@ -29,6 +29,11 @@ name in the module       what it decides                             default
                          none, and reading it would create it)
 ``devices_per_rank``     ``(model) -> int``: devices one rank         1
                          computes on (for MFU)
+``data_parallel``        ``(rank, world_size, cfg) -> (dp rank,       ``(rank, world_size)``: every rank its
+                         dp size)``: which batches a rank reads;     own batches
+                         ranks of one dp rank read the same ones
+``model_state_dict``     ``(model, options) -> dict``: the model's    ``get_model_state_dict``
+                         state alone (final.pt, fingerprints)
 =======================  ==========================================  =========================================
 
 Whoever holds a wrapped model finds its plan with :func:`strategy_of` (:meth:`Strategy.wrap`
@@ -103,6 +108,12 @@ def _state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, options: Sta
     return get_state_dict(model, optimizer, options=options)
 
 
+def _model_state_dict(model: nn.Module, options: StateDictOptions | None) -> dict:
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    return get_model_state_dict(model, options=options)
+
+
 def _load_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, model_sd: dict, optim_sd: dict,
                      options: StateDictOptions | None) -> None:
     from torch.distributed.checkpoint.state_dict import set_state_dict
@@ -161,6 +172,14 @@ class Strategy:
 
     def devices_per_rank(self, model: nn.Module) -> int:
         return int(self._hook("devices_per_rank", lambda model: 1)(model))
+
+    def data_parallel(self, rank: int, world_size: int, cfg: Any) -> tuple[int, int]:
+        dp_rank, dp_size = self._hook("data_parallel", lambda rank, world_size, cfg: (rank, world_size))(
+            rank, world_size, cfg)
+        return int(dp_rank), int(dp_size)
+
+    def model_state_dict(self, model: nn.Module, options: StateDictOptions | None = None) -> dict:
+        return self._hook("model_state_dict", _model_state_dict)(model, options)
 
 
 @functools.cache

@@ -26,8 +26,8 @@ import sys
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ddp_course.dist import log, setup
 from ddp_course.course.l06_grad_accumulation import no_sync_lab as lab
+from ddp_course.dist import log, setup
 
 MICRO_BATCH_SIZE, BLOCK_SIZE, SEED = 4, 32, 0
 # (name, micro-batch indices of this optimizer step, use_no_sync): K = 4 twice, then a leftover of 3

@@ -33,9 +33,9 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from ddp_course.cli import FlagError, parse_flags
 from ddp_course.data import prepare, stream_batches
 from ddp_course.dist import DistInfo, log, setup
-from ddp_course.cli import FlagError, parse_flags
 from ddp_course.model import GPTConfig, MiniGPT
 
 DEFAULTS = {"out_dir": "runs/ex08", "max_steps": 12, "ckpt_step": 6, "fail_at_step": -1, "save": True}

@@ -46,6 +46,8 @@ TOPICS: dict[str, tuple[str, ...]] = {
     "10": ("scaling", "NCCL_DEBUG", "speedup", "multinode"),
     "11": ("beyond data parallelism", "tensor parallelism", "pipeline parallelism", "parallelize_module"),
     "12": ("debugging lab", "broken program", "classic DDP bug"),
+    "13": ("two dimensions", "2-D mesh", "2-D plan", "sequence parallelism", "sequence parallel", "fsdp_tp",
+           "loss_parallel", "vocabulary-sharded", "FSDP x tensor parallel"),
 }
 WINDOW = 60  # characters each side: a few words, about one clause of a sentence
 

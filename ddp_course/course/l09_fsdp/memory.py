@@ -297,10 +297,16 @@ def local_shapes(model: torch.nn.Module) -> dict[str, dict]:
 
 
 class SavedActivations:
-    """Bytes of the tensors autograd saved for backward so far (parameters excluded), by storage."""
+    """Bytes of the tensors autograd saved for backward so far (parameters excluded), by storage.
 
-    def __init__(self) -> None:
+    A parameter is recognised as a leaf that requires grad, or a view of one; and, for a split model,
+    by its storage: a DTensor parameter's transposed local view (what a linear layer saves) is not a
+    view of the parameter object itself, so ``params`` lists the parameters whose storages to leave out.
+    """
+
+    def __init__(self, params=()) -> None:
         self._seen: dict[int, int] = {}
+        self._params = {_local(p).untyped_storage().data_ptr() for p in params}
 
     @property
     def bytes(self) -> int:
@@ -309,15 +315,17 @@ class SavedActivations:
     def pack(self, t: torch.Tensor) -> torch.Tensor:
         base = t._base if t._base is not None else t
         if not (base.is_leaf and base.requires_grad):  # a parameter (or a view of one) is not an activation
-            s = t.untyped_storage()
-            self._seen[s.data_ptr()] = max(self._seen.get(s.data_ptr(), 0), s.nbytes())
+            s = _local(t).untyped_storage()  # a DTensor (sequence parallelism's) keeps this rank's part
+            if s.data_ptr() not in self._params:
+                self._seen[s.data_ptr()] = max(self._seen.get(s.data_ptr(), 0), s.nbytes())
         return t
 
 
 @contextlib.contextmanager
-def saved_activations():
-    """``with saved_activations() as acts: loss = model(x, y)[1]``, then ``acts.bytes``."""
-    acts = SavedActivations()
+def saved_activations(params=()):
+    """``with saved_activations() as acts: loss = model(x, y)[1]``, then ``acts.bytes``; ``params``:
+    the model's parameters, to leave out their storages whatever view of them is saved."""
+    acts = SavedActivations(params)
     with torch.autograd.graph.saved_tensors_hooks(acts.pack, lambda t: t):
         yield acts
 

@@ -40,14 +40,19 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
 
 from ddp_course.cli import FlagError, command, parse_flags
 from ddp_course.course.options import require_device
 from ddp_course.course.tiny import tiny_model
 from ddp_course.dist import log, setup
 from ddp_course.metrics import write_json
-from ddp_course.model import CausalSelfAttention, GPTConfig, MiniGPT
+from ddp_course.model import GPTConfig, MiniGPT
+from ddp_course.parallel._tensor_parallel import (  # noqa: F401 -- exercise 11 and its grader import them from here
+    HeadParallelAttention,
+    hidden_block,
+    qkv_order,
+    rearrange_qkv,
+)
 from ddp_course.paths import show
 
 PROG = "torchrun --standalone --nproc_per_node=2 -m ddp_course.course.l11_beyond_data_parallel.tp_lab"
@@ -74,14 +79,6 @@ HELP = {
 # --------------------------------------------------------------------------------------------------
 # pieces shared with exercise 11 and its grader
 
-def hidden_block(n: int, rank: int, world_size: int) -> slice:
-    """Rank ``rank``'s block of ``n`` features in ``torch.chunk`` order: ``slice(r * n / N, (r + 1) * n / N)``."""
-    if n % world_size:
-        raise ValueError(f"{n} features do not split evenly over {world_size} ranks")
-    size = n // world_size
-    return slice(rank * size, (rank + 1) * size)
-
-
 def biased_model(seed: int = 0, **shape: int) -> MiniGPT:
     """``tiny_model(seed, **shape)`` with the bias of every linear layer drawn at random (std 0.02), the same in every process.
 
@@ -99,19 +96,6 @@ def biased_model(seed: int = 0, **shape: int) -> MiniGPT:
 # --------------------------------------------------------------------------------------------------
 # the attention, split by heads
 
-def qkv_order(n_embd: int, world_size: int) -> torch.Tensor:
-    """The permutation of qkv's 3C output rows that makes rank r's contiguous block [q_r; k_r; v_r].
-
-    Row ``i`` of the reordered weight is row ``qkv_order(...)[i]`` of the original one; q_r, k_r, v_r
-    are rank r's block (``hidden_block``) of the rows of q (0 .. C-1), k (C .. 2C-1) and v (2C .. 3C-1).
-    """
-    parts = []
-    for r in range(world_size):
-        block = hidden_block(n_embd, r, world_size)
-        parts += [torch.arange(which * n_embd + block.start, which * n_embd + block.stop) for which in range(3)]
-    return torch.cat(parts)
-
-
 def qkv_layout(n_embd: int, n_head: int, world_size: int, rearranged: bool) -> list[list[str]]:
     """What each rank's column-wise shard of qkv holds, as runs like ``"q heads 0-1"`` (for the notebook)."""
     rows = qkv_order(n_embd, world_size) if rearranged else torch.arange(3 * n_embd)
@@ -128,37 +112,6 @@ def qkv_layout(n_embd: int, n_head: int, world_size: int, rearranged: bool) -> l
                 runs.append((which, [head]))
         out.append([f"{w} heads {h[0]}-{h[-1]}" if len(h) > 1 else f"{w} head {h[0]}" for w, h in runs])
     return out
-
-
-def rearrange_qkv(attn: CausalSelfAttention, world_size: int) -> None:
-    """Reorder ``attn.qkv``'s output rows (weight and bias) in place with ``qkv_order``."""
-    order = qkv_order(attn.qkv.out_features // 3, world_size)
-    with torch.no_grad():
-        attn.qkv.weight.copy_(attn.qkv.weight[order])
-        attn.qkv.bias.copy_(attn.qkv.bias[order])
-
-
-class HeadParallelAttention(nn.Module):
-    """``CausalSelfAttention``'s computation on this rank's heads: the same layers, n_head / N heads.
-
-    ``qkv``'s (column-wise sharded) output holds this rank's q, k and v, C/N features each; the heads'
-    outputs, C/N features, go into ``proj`` (row-wise sharded), which sums the ranks' partial outputs.
-    """
-
-    def __init__(self, attn: CausalSelfAttention, world_size: int) -> None:
-        super().__init__()
-        self.qkv, self.proj, self.resid_drop = attn.qkv, attn.proj, attn.resid_drop
-        self.n_head = attn.n_head // world_size  # the heads on this rank
-        self.dropout = attn.dropout
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, _ = x.shape
-        q, k, v = self.qkv(x).chunk(3, dim=2)  # 3 x (B, T, C/N): this rank's heads
-        q, k, v = (t.view(B, T, self.n_head, -1).transpose(1, 2) for t in (q, k, v))  # (B, nh/N, T, hs)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                           dropout_p=self.dropout if self.training else 0.0)
-        y = y.transpose(1, 2).contiguous().view(B, T, -1)  # (B, T, C/N): this rank's heads, in order
-        return self.resid_drop(self.proj(y))
 
 
 def tensor_parallel(model: MiniGPT, mesh, rearrange: bool = True) -> MiniGPT:

@@ -1,0 +1,197 @@
+"""Tensor parallelism for MiniGPT, shared by ``--strategy=fsdp_tp`` and the lessons' labs (not a strategy:
+its name starts with ``_``).
+
+MiniGPT's attention has ONE fused linear layer, ``qkv``, whose 3C output rows are all of q, then all of
+k, then all of v. A column-wise shard of it in that order would give rank 0 of 2 all of q and half of k.
+So before parallelizing, its rows are reordered head-major per rank (:func:`rearrange_qkv`): rank r's
+contiguous block becomes [q of its heads; k of its heads; v of its heads] -- the same weights in
+another order. :class:`HeadParallelAttention` is the attention's computation on a rank's heads. Every
+state dict that leaves a strategy puts the rows back in the model's own order (:func:`natural_rows`),
+and every one that comes in is reordered again (:func:`tp_rows`), so that a checkpoint means the same
+weights whatever the mesh that wrote it.
+
+The plans (:func:`block_plan`, :func:`root_plan`) follow Megatron-LM's layout: ``qkv`` and ``mlp.fc``
+column-wise, ``attn.proj`` and ``mlp.proj`` row-wise. With ``sequence_parallel`` the LayerNorms and the
+residual stream between the blocks are sharded along the sequence (``Shard(1)``): each row-wise layer
+reduce-scatters its output onto the sequence instead of all-reducing it, and each block's attention and
+MLP all-gather the sequence back first. Without it the residual stream is replicated and each row-wise
+layer all-reduces. ``vocab_parallel`` shards the tied embedding table by vocabulary rows (the embedding
+row-wise, the output head column-wise with its logits left sharded for ``loss_parallel``).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from ddp_course.model import CausalSelfAttention, MiniGPT
+
+QKV = ("attn.qkv.weight", "attn.qkv.bias")  # the entries whose rows are reordered (suffixes of their names)
+
+
+class _SequentialRedistribution(logging.Filter):
+    """Drops DTensor's note that a redistribution over two mesh dimensions runs as two collectives."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "sequential" not in str(record.msg)
+
+
+def quiet_sequential_redistribution() -> None:
+    """On a 2-D mesh, DTensor logs a warning, on every rank, each time a tensor placed over both
+    dimensions is made whole: the gradients' norm (``clip_grad_norm_``) and a state dict's full
+    tensors, by two collectives, one per dimension (torch/distributed/tensor/_redistribute.py,
+    "sequential ... operations will be performed"). The course asks for those on purpose, once per
+    step and per checkpoint, and every rank runs the same two in the same order; the warning repeats
+    at each, with a path of the machine's PyTorch. Other warnings of that logger still pass."""
+    logger = logging.getLogger("torch.distributed.tensor._redistribute")
+    if not any(isinstance(f, _SequentialRedistribution) for f in logger.filters):
+        logger.addFilter(_SequentialRedistribution())
+
+
+def hidden_block(n: int, rank: int, world_size: int) -> slice:
+    """Rank ``rank``'s block of ``n`` features in ``torch.chunk`` order: ``slice(r * n / N, (r + 1) * n / N)``."""
+    if n % world_size:
+        raise ValueError(f"{n} features do not split evenly over {world_size} ranks")
+    size = n // world_size
+    return slice(rank * size, (rank + 1) * size)
+
+
+def qkv_order(n_embd: int, world_size: int) -> torch.Tensor:
+    """The permutation of qkv's 3C output rows that makes rank r's contiguous block [q_r; k_r; v_r].
+
+    Row ``i`` of the reordered weight is row ``qkv_order(...)[i]`` of the original one; q_r, k_r, v_r
+    are rank r's block (``hidden_block``) of the rows of q (0 .. C-1), k (C .. 2C-1) and v (2C .. 3C-1).
+    """
+    parts = []
+    for r in range(world_size):
+        block = hidden_block(n_embd, r, world_size)
+        parts += [torch.arange(which * n_embd + block.start, which * n_embd + block.stop) for which in range(3)]
+    return torch.cat(parts)
+
+
+def rearrange_qkv(attn: CausalSelfAttention, world_size: int) -> None:
+    """Reorder ``attn.qkv``'s output rows (weight and bias) in place with ``qkv_order``."""
+    order = qkv_order(attn.qkv.out_features // 3, world_size)
+    with torch.no_grad():
+        attn.qkv.weight.copy_(attn.qkv.weight[order])
+        attn.qkv.bias.copy_(attn.qkv.bias[order])
+
+
+class HeadParallelAttention(nn.Module):
+    """``CausalSelfAttention``'s computation on this rank's heads: the same layers, n_head / N heads.
+
+    ``qkv``'s (column-wise sharded) output holds this rank's q, k and v, C/N features each; the heads'
+    outputs, C/N features, go into ``proj`` (row-wise sharded), which sums the ranks' partial outputs.
+    The module keeps the attention's names (``qkv``, ``proj``), so parameter names do not change.
+    """
+
+    def __init__(self, attn: CausalSelfAttention, world_size: int) -> None:
+        super().__init__()
+        self.qkv, self.proj, self.resid_drop = attn.qkv, attn.proj, attn.resid_drop
+        self.n_head = attn.n_head // world_size  # the heads on this rank
+        self.dropout = attn.dropout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        q, k, v = self.qkv(x).chunk(3, dim=2)  # 3 x (B, T, C/N): this rank's heads
+        q, k, v = (t.view(B, T, self.n_head, -1).transpose(1, 2) for t in (q, k, v))  # (B, nh/N, T, hs)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                           dropout_p=self.dropout if self.training else 0.0)
+        y = y.transpose(1, 2).contiguous().view(B, T, -1)  # (B, T, C/N): this rank's heads, in order
+        return self.resid_drop(self.proj(y))
+
+
+def block_plan(sequence_parallel: bool = True) -> dict[str, Any]:
+    """``parallelize_module``'s plan for one block: attention and MLP split Megatron-style; with
+    ``sequence_parallel``, the LayerNorms on sequence shards and the row-wise outputs reduce-scattered
+    onto the sequence (else replicated: the row-wise outputs all-reduced)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
+
+    plan: dict[str, Any] = {"attn.qkv": ColwiseParallel(), "mlp.fc": ColwiseParallel()}
+    if not sequence_parallel:
+        return {**plan, "attn.proj": RowwiseParallel(), "mlp.proj": RowwiseParallel()}
+    gather = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+    return {**plan, "ln1": SequenceParallel(), "ln2": SequenceParallel(), "attn": gather, "mlp": gather,
+            "attn.proj": RowwiseParallel(output_layouts=Shard(1)), "mlp.proj": RowwiseParallel(output_layouts=Shard(1))}
+
+
+def root_plan(sequence_parallel: bool = True, vocab_parallel: bool = False) -> dict[str, Any]:
+    """The plan around the blocks: where the residual stream becomes sequence-sharded (the first
+    block's input, cut locally) and whole again (the head's input, all-gathered); with
+    ``vocab_parallel`` the tied table sharded by vocabulary rows."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import PrepareModuleInput, RowwiseParallel, SequenceParallel
+
+    plan: dict[str, Any] = {}
+    if sequence_parallel:
+        plan["blocks.0"] = PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
+                                              use_local_output=True)
+        plan["ln_f"] = SequenceParallel()
+    before_head = Shard(1) if sequence_parallel else Replicate()
+    if vocab_parallel:
+        plan["tok_emb"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+        plan["head"] = PrepareModuleInput(input_layouts=(before_head,), desired_input_layouts=(Replicate(),),
+                                          use_local_output=False)
+    elif sequence_parallel:
+        plan["head"] = PrepareModuleInput(input_layouts=(before_head,), desired_input_layouts=(Replicate(),),
+                                          use_local_output=True)
+    return plan
+
+
+def tensor_parallel(model: MiniGPT, mesh: DeviceMesh, *, sequence_parallel: bool = True,
+                    vocab_parallel: bool = False) -> MiniGPT:
+    """Split every block of ``model`` over the 1-D ``mesh`` (the tensor-parallel ranks), in place."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    n = mesh.size()
+    cfg = model.cfg
+    for what, size in (("n_head", cfg.n_head), ("n_embd", cfg.n_embd)) + (
+            (("block_size", cfg.block_size),) if sequence_parallel else ()):
+        if size % n:
+            raise ValueError(f"{what}={size} does not split over {n} tensor-parallel ranks")
+    for block in model.blocks:
+        rearrange_qkv(block.attn, n)
+        block.attn = HeadParallelAttention(block.attn, n)
+        parallelize_module(block, mesh, block_plan(sequence_parallel))
+    plan = root_plan(sequence_parallel, vocab_parallel)
+    if plan:
+        parallelize_module(model, mesh, plan)
+    if vocab_parallel:
+        model.head.weight = model.tok_emb.weight  # re-tie: the vocabulary-sharded table serves both
+    return model
+
+
+def _reorder(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``t`` with its rows in the order ``rows``: a plain tensor indexed; a DTensor gathered whole,
+    indexed, and cut again into its own placements (a collective over its mesh)."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    if not isinstance(t, DTensor):
+        return t[rows.to(t.device)]
+    full = t.full_tensor()[rows.to(t.device)]
+    return DTensor.from_local(full, t.device_mesh, [Replicate()] * t.device_mesh.ndim).redistribute(
+        t.device_mesh, t.placements)
+
+
+def natural_rows(state: dict[str, Any], n_embd: int, tp: int) -> dict[str, Any]:
+    """``state`` (name -> tensor: a model state dict, or one parameter's optimizer state keyed by the
+    parameter's name) with the qkv rows put back in the model's own order. A collective for DTensors."""
+    return _reorder_qkv(state, torch.argsort(qkv_order(n_embd, tp)))
+
+
+def tp_rows(state: dict[str, Any], n_embd: int, tp: int) -> dict[str, Any]:
+    """The inverse of :func:`natural_rows`: the qkv rows in the tensor-parallel order of ``tp`` ranks."""
+    return _reorder_qkv(state, qkv_order(n_embd, tp))
+
+
+def _reorder_qkv(state: dict[str, Any], rows: torch.Tensor) -> dict[str, Any]:
+    return {k: _reorder(v, rows) if k.endswith(QKV) and isinstance(v, torch.Tensor) and v.dim() >= 1 else v
+            for k, v in state.items()}

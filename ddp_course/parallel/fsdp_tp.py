@@ -1,0 +1,171 @@
+"""Two dimensions at once: FSDP2 over the data-parallel ranks, tensor parallelism inside each block.
+
+The ranks form a 2-D mesh ``(dp, tp)`` with ``tp = --tp`` (a divisor of the world size) and
+``dp = world size / tp``, laid out row by row: ranks ``[d * tp, (d + 1) * tp)`` are one tensor-parallel
+group, and they see the same batch; the ``dp`` groups see different batches (:func:`data_parallel`).
+
+Inside a tensor-parallel group (``ddp_course.parallel._tensor_parallel``): every block's attention is
+split by heads and its MLP by hidden units (``qkv`` and ``mlp.fc`` column-wise, the two ``proj``
+row-wise), and with sequence parallelism the LayerNorms and the residual stream between blocks hold
+a slice of the sequence each: every block all-gathers the sequence before its attention and its MLP
+and reduce-scatters their outputs. Then FSDP2 shards every parameter over the data-parallel ranks
+(``fully_shard`` on each block over ``mesh["dp"]``, then the root): a parameter that tensor
+parallelism already split is split again, so each rank holds 1 / world size of it.
+
+Per step: over ``tp``, in each block two all-gathers and two reduce-scatters of activations in
+forward, and the same in backward (the gradients of the sequence travel the other way); over ``dp``,
+FSDP's all-gathers of the parameter shards and reduce-scatters of the gradients.
+
+Checkpoints mean the same weights whatever the mesh: the fused ``qkv`` rows, reordered for the head
+split, are put back in the model's own order in every state dict this strategy hands out, and
+reordered again when one comes in. So a checkpoint of ``--strategy=fsdp_tp --tp=2`` on 4 ranks loads
+into ``--strategy=fsdp`` on 4 ranks, into one process, or into another ``--tp``.
+
+Option: ``--tp`` (tensor-parallel ranks; ``n_head``, ``n_embd`` and ``block_size`` must divide by it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+
+from ddp_course.config import ConfigError, TrainConfig
+from ddp_course.dist import DistInfo
+from ddp_course.parallel import _tensor_parallel as tp_plan
+from ddp_course.parallel.fsdp import mp_policy
+
+
+def layout(world_size: int, cfg: TrainConfig) -> tuple[int, int]:
+    """(dp, tp) for this world size; a ConfigError when ``--tp`` does not divide it or the model."""
+    tp = cfg.tp
+    if tp < 1 or world_size % tp:
+        divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
+        raise ConfigError(f"--tp={tp} does not divide the {world_size} rank(s) of this job into equal tensor-parallel "
+                          f"groups; use one of {divisors} (the data-parallel size is the world size / tp).")
+    for what, size in (("n_head", cfg.n_head), ("n_embd", cfg.n_embd), ("block_size", cfg.block_size)):
+        if size % tp:
+            raise ConfigError(f"--strategy=fsdp_tp splits the heads, the width and (sequence parallelism) the sequence "
+                              f"over --tp={tp} ranks, but --{what}={size} does not divide by {tp}.")
+    return world_size // tp, tp
+
+
+def data_parallel(rank: int, world_size: int, cfg: TrainConfig) -> tuple[int, int]:
+    """(data-parallel rank, data-parallel size): the ranks of one tensor-parallel group share a batch."""
+    dp, tp = layout(world_size, cfg)
+    return rank // tp, dp
+
+
+def device_mesh(info: DistInfo, cfg: TrainConfig) -> DeviceMesh:
+    """The 2-D mesh ``(dp, tp)``: rows of ``tp`` consecutive ranks."""
+    dp, tp = layout(info.world_size, cfg)
+    return init_device_mesh(info.device.type, (dp, tp), mesh_dim_names=("dp", "tp"))
+
+
+def wrap(model: nn.Module, info: DistInfo, cfg: TrainConfig) -> nn.Module:
+    """Tensor (and sequence) parallel inside each block over ``tp``, then FSDP2 over ``dp``, in place."""
+    if not info.is_distributed:
+        raise ConfigError("--strategy=fsdp_tp needs a process group: launch with "
+                          "`torchrun --standalone --nproc_per_node=4 -m ddp_course.train --strategy=fsdp_tp --tp=2` "
+                          "(or ddp_course.launch.run(..., nproc=4)).")
+    mesh = device_mesh(info, cfg)
+    tp_plan.quiet_sequential_redistribution()
+    tp_plan.tensor_parallel(model, mesh["tp"], sequence_parallel=True)
+    options = {"mesh": mesh["dp"], "mp_policy": mp_policy(cfg)}
+    for block in model.blocks:  # the order of lesson 09: each block one unit, then the root
+        fully_shard(block, reshard_after_forward=cfg.reshard_after_forward, **options)
+    fully_shard(model, reshard_after_forward=False, **options)
+    model._tp_size = mesh["tp"].size()  # what the state dicts need to put the qkv rows back
+    return model
+
+
+@contextlib.contextmanager
+def sync_context(model: nn.Module, sync: bool) -> Iterator[None]:
+    """FSDP's: no reduce-scatter over ``dp`` until the final micro-step (tensor parallelism's
+    collectives are part of every forward and backward, and run regardless)."""
+    model.set_requires_gradient_sync(sync)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+
+
+def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
+    """The global gradient norm over every rank's shards, then the clip.
+
+    The parameters live on two meshes: those tensor parallelism splits (or replicates for sequence
+    parallelism) on ``(dp, tp)``, the embeddings and the tied head on ``dp`` alone. Each parameter's
+    norm is taken whole (``full_tensor``: a collective over its own mesh), so a parameter that is
+    replicated over ``tp`` counts once."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    norms = [torch.linalg.vector_norm(g).full_tensor() if isinstance(g, DTensor) else torch.linalg.vector_norm(g)
+             for g in grads]
+    total = torch.linalg.vector_norm(torch.stack(norms))
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # as torch.nn.utils.clip_grad_norm_ does
+    for g in grads:
+        g.mul_(coef)
+    return total
+
+
+def state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, options: Any = None) -> tuple[dict, dict]:
+    """DCP's state dicts, with the qkv rows (and their AdamW moments) in the model's own order."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
+    return _rows(model, model_sd, tp_plan.natural_rows), _optim_rows(model, optim_sd, tp_plan.natural_rows)
+
+
+def _rows(model: nn.Module, model_sd: dict, convert) -> dict:
+    return convert(model_sd, model.cfg.n_embd, model._tp_size)
+
+
+def _optim_rows(model: nn.Module, optim_sd: dict, convert) -> dict:
+    """``optim_sd`` with ``convert`` applied to the moments of every qkv parameter (DCP keys the
+    optimizer's state by parameter name). The same order on every rank: a DTensor's is a collective."""
+    state = optim_sd.get("state")
+    if not state:
+        return optim_sd
+    n_embd, tp = model.cfg.n_embd, model._tp_size
+    out = {}
+    for name, per_param in state.items():
+        if isinstance(name, str) and name.endswith(tp_plan.QKV):
+            per_param = {k: convert({name: v}, n_embd, tp)[name] if isinstance(v, torch.Tensor) and v.dim() >= 1
+                         else v for k, v in per_param.items()}
+        out[name] = per_param
+    return {**optim_sd, "state": out}
+
+
+def load_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, model_sd: dict, optim_sd: dict,
+                    options: Any = None) -> None:
+    """The inverse of :func:`state_dict`: the qkv rows back in the tensor-parallel order, then DCP's."""
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    model_sd = _rows(model, model_sd, tp_plan.tp_rows)
+    optim_sd = _optim_rows(model, optim_sd, tp_plan.tp_rows)
+    set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd, options=options)
+
+
+def model_state_dict(model: nn.Module, options: Any = None) -> dict:
+    """The model's state dict alone (``final.pt``, fingerprints), the qkv rows in the model's own order."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    return _rows(model, get_model_state_dict(model, options=options), tp_plan.natural_rows)
+
+
+def gathered(model: nn.Module) -> nn.Module:
+    """A plain MiniGPT with the full parameters in the model's own order (a collective: every rank)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    from ddp_course.model import MiniGPT
+
+    state = model_state_dict(model, StateDictOptions(full_state_dict=True))
+    with torch.random.fork_rng(devices=[]):  # building a model draws its initial weights: leave the RNG alone
+        copy = MiniGPT(model.cfg).to(next(iter(state.values())).device)
+    copy.load_state_dict(state)
+    return copy

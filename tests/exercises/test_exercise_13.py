@@ -1,0 +1,148 @@
+"""Exercise 13's grader accepts the 2-D plan and rejects the classic mistakes of it, naming each.
+
+Every wrong attempt is the answered solution with the body of ``parallelize`` replaced by what a
+learner would write. Four are graded by real 4-rank jobs, two at a time: FSDP given the whole mesh and
+tensor parallelism after ``fully_shard`` (both fail before training, on the exception they raise), the
+root left unsharded (placements) and a row-wise layer reduced to the whole sequence (the layouts the
+job's probe recorded before it crashed). The other layout mistakes are checked on the probe records
+of real jobs, kept below (``PROBES``: recorded from the attempts of the same names), so that each
+classic mistake has its test without a job of its own.
+"""
+
+from __future__ import annotations
+
+import notebook_runs
+import pytest
+from harness import answered_exercise, exercise_attempt, grade_in_pairs
+
+from ddp_course import check
+from ddp_course.course.l13_two_dimensions import grader
+
+NAME = "13_two_d_plan.py"
+PRE = ('    prepare_attention(model, mesh["tp"].size())\n'
+       '    gather = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))\n')
+BLOCK = '''    for block in model.blocks:
+        parallelize_module(block, mesh["tp"], {
+            "ln1": SequenceParallel(), "attn": gather,
+            "attn.qkv": ColwiseParallel(), "attn.proj": RowwiseParallel(output_layouts=Shard(1)),
+            "ln2": SequenceParallel(), "mlp": gather,
+            "mlp.fc": ColwiseParallel(), "mlp.proj": RowwiseParallel(output_layouts=Shard(1)),
+        })
+'''
+ROOT = '''    parallelize_module(model, mesh["tp"], {
+        "blocks.0": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
+                                       use_local_output=True),
+        "ln_f": SequenceParallel(),
+        "head": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+                                   use_local_output=True),
+    })
+'''
+FSDP = '''    for block in model.blocks:
+        fully_shard(block, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    return model
+'''
+
+
+@pytest.mark.timeout(180)
+def test_solution_passes(tmp_path):
+    path = tmp_path / "13_answered.py"
+    path.write_text(answered_exercise(NAME), encoding="utf-8")
+    assert check.check_harness("13", path).ok
+    verdict = notebook_runs.grade("13", path)  # lesson 13's grading cell's, when it graded these bytes
+    assert verdict.ok, verdict.message
+    assert "trains like one process" in verdict.message and "as the plan derives them" in verdict.message
+
+
+MISTAKES = {
+    "FSDP over the whole mesh": (PRE + BLOCK + ROOT + FSDP.replace('mesh=mesh["dp"]', "mesh=mesh"),
+                                 ("FSDP given the whole 2-D mesh", "mesh=mesh['dp']")),
+    "tensor parallelism after fully_shard": (PRE + FSDP.replace("    return model\n", "") + BLOCK + ROOT + "    return model\n",
+                                             ("tensor parallelism applied after fully_shard", "Split over tp first")),
+    "the root not sharded": (PRE + BLOCK + ROOT + FSDP.replace('    fully_shard(model, mesh=mesh["dp"])\n', ""),
+                             ("the root is not sharded", "fully_shard(model, mesh=mesh['dp'])")),
+    "a row-wise output reduced to the whole sequence": (
+        PRE + BLOCK.replace("RowwiseParallel(output_layouts=Shard(1))", "RowwiseParallel()") + ROOT + FSDP,
+        ("attn.proj hands on the whole sequence", "RowwiseParallel(output_layouts=Shard(1))")),
+}
+
+
+@pytest.mark.timeout(240)
+def test_classic_mistakes_are_rejected_and_named(tmp_path):
+    folders = [tmp_path / str(i) for i in range(len(MISTAKES))]
+    for folder in folders:
+        folder.mkdir()
+    attempts = {name: exercise_attempt(folder, NAME, "parallelize", body)
+                for folder, (name, (body, _)) in zip(folders, MISTAKES.items())}
+    verdicts = grade_in_pairs(lambda path: check.grade("13", path), attempts)
+    for name, (_, words) in MISTAKES.items():
+        v = verdicts[name]
+        assert not v.ok, name
+        for w in words:
+            assert w in v.message, (name, w, v.message)
+
+
+# --- the other layout mistakes, on the probe records of real jobs ------------------------------------------
+
+def _rec(module: str, inp: tuple | None, out: tuple | None, weight: list[str] | None = None) -> dict:
+    """One probe record: (dtensor, placements, local tokens) of the input and output, of 16 tokens."""
+    def lay(x):
+        return None if x is None else {"dtensor": x[0], "placements": x[1], "local_seq": x[2], "seq": 16}
+    return {"module": module, "input": lay(inp), "output": lay(out), "weight": weight or []}
+
+
+PLAN_RECORDS = [
+    _rec("blocks.0", (False, [], 8), (False, [], 8)), _rec("blocks.0.ln1", (True, ["S(1)"], 8), (True, ["S(1)"], 8)),
+    _rec("blocks.0.attn", (True, ["R"], 16), (False, [], 8)),
+    _rec("blocks.0.attn.qkv", (True, ["R"], 16), (False, [], 16), ["_S(0, 2)", "S(0)"]),
+    _rec("blocks.0.attn.proj", (True, ["S(2)"], 16), (False, [], 8), ["_S(0, 2)", "S(1)"]),
+    _rec("blocks.0.ln2", (True, ["S(1)"], 8), (True, ["S(1)"], 8)),
+    _rec("blocks.0.mlp", (True, ["R"], 16), (False, [], 8)),
+    _rec("blocks.0.mlp.fc", (True, ["R"], 16), (False, [], 16), ["_S(0, 2)", "S(0)"]),
+    _rec("blocks.0.mlp.proj", (True, ["S(2)"], 16), (False, [], 8), ["_S(0, 2)", "S(1)"]),
+    _rec("ln_f", (True, ["S(1)"], 8), (True, ["S(1)"], 8)), _rec("head", (False, [], 16), (False, [], 16)),
+]
+
+
+def _with(**changes) -> list[dict]:
+    """The plan's records with some replaced (by module name), cut after the last replaced one when
+    ``cut`` names where the job crashed."""
+    cut = changes.pop("cut", None)
+    out = [changes.get(r["module"].replace(".", "_"), r) for r in PLAN_RECORDS]
+    return out[:[r["module"] for r in out].index(cut) + 1] if cut else out
+
+
+PROBES = {
+    # SequenceParallel(use_local_output=True) and no gather before the MLP: fc takes the slice for the whole
+    "a slice taken for the whole sequence": (
+        _with(blocks_0_mlp=_rec("blocks.0.mlp", (False, [], 8), (False, [], 4)),
+              blocks_0_mlp_fc=_rec("blocks.0.mlp.fc", (True, ["R"], 8), (False, [], 8), ["_S(0, 2)", "S(0)"]),
+              cut="blocks.0.mlp.proj"),
+        ("mlp receives a slice of the sequence", "PrepareModuleInput")),
+    # PrepareModuleOutput(Partial -> Shard(1)) on attn after RowwiseParallel(output_layouts=Shard(1))
+    "reduced twice": (
+        _with(blocks_0_attn=_rec("blocks.0.attn", (True, ["R"], 16), (False, [], 4)), cut="blocks.0.attn.proj"),
+        ("reduced and cut onto the sequence twice",)),
+    # attn.proj given ColwiseParallel
+    "a row-wise layer split column-wise": (
+        _with(blocks_0_attn_proj=_rec("blocks.0.attn.proj", (True, ["S(2)"], 16), None, ["_S(0, 2)", "S(0)"]),
+              cut="blocks.0.attn.proj"),
+        ("attn.proj is split column-wise", "RowwiseParallel")),
+    # ln2 left out of the plan: a plain LayerNorm on the slice
+    "a LayerNorm without SequenceParallel": (
+        _with(blocks_0_ln2=_rec("blocks.0.ln2", (False, [], 8), (False, [], 8))),
+        ("ln2 normalises a slice of the sequence as a plain module", "SequenceParallel()")),
+}
+
+
+@pytest.mark.parametrize("name", list(PROBES))
+def test_layout_mistakes_are_named_from_the_probe(name):
+    records, words = PROBES[name]
+    problem = grader.layout_problem(records)
+    assert problem is not None, name
+    for w in words:
+        assert w in problem, (name, w, problem)
+
+
+def test_the_plans_own_layouts_are_no_problem():
+    assert grader.layout_problem(PLAN_RECORDS) is None
