@@ -10,8 +10,9 @@ A run is one process, so it is launched without torchrun::
     python -m ddp_course.train --strategy=dp --device=cuda
 
 It needs at least two CUDA GPUs: without CUDA, ``nn.DataParallel`` simply calls the module (no
-scatter, no replicas), and with one GPU it does the same on that GPU, so this strategy refuses rather
-than pretend. Lesson 03 shows the mechanism step by step on CPU tensors (``ddp_course.course.l03_data_parallel.dp_mechanism``).
+scatter, no replicas: ``if not self.device_ids: return self.module(*inputs, **kwargs)`` in
+``torch/nn/parallel/data_parallel.py``, ``DataParallel.forward``), and with one GPU it does the same on
+that GPU, so this strategy refuses rather than pretend. Lesson 03 shows the mechanism step by step on CPU tensors (``ddp_course.course.l03_data_parallel.dp_mechanism``).
 """
 
 from __future__ import annotations
