@@ -59,21 +59,6 @@ def cpu_count() -> int:
         return os.cpu_count() or 1
 
 
-# The cores a job shares out among its processes as threads, where fewer than cpu_count(): the test
-# suite sets it to each pytest worker's share of the machine, since its workers run jobs side by side.
-THREAD_CORES_VAR = "DDP_COURSE_THREAD_CORES"
-
-
-def thread_cores() -> int:
-    """``cpu_count()``, or ``$DDP_COURSE_THREAD_CORES`` when set (a positive whole number)."""
-    value = os.environ.get(THREAD_CORES_VAR, "").strip()
-    if not value:
-        return cpu_count()
-    if not value.isdigit() or int(value) < 1:
-        raise ValueError(f"{THREAD_CORES_VAR}={value!r}: give a positive whole number of cores, or unset it.")
-    return int(value)
-
-
 # Test-only: lets several ranks share one GPU through gloo with CUDA tensors, so that the DDP code
 # path with CUDA tensors can be exercised on a machine with a single GPU. Never the course's own
 # choice: NCCL refuses two ranks on one GPU, and a timing taken this way says nothing about NCCL.
@@ -180,7 +165,7 @@ def setup(device: str = "auto", timeout_s: float = 120.0, threads: int = 0, beca
         torch_device = torch.device("cuda", index)
     else:
         torch_device = torch.device("cpu")
-        n = threads or max(1, thread_cores() // local_world_size)
+        n = threads or max(1, cpu_count() // local_world_size)
         torch.set_num_threads(n)
         reason += f", {n} thread(s) per process"
 

@@ -29,7 +29,7 @@ from typing import Any
 
 from ddp_course import parallel, postmortem
 from ddp_course.config import ConfigError, from_dict, to_cli
-from ddp_course.dist import choose_device, thread_cores
+from ddp_course.dist import choose_device, cpu_count
 from ddp_course.metrics import read_jsonl, write_json
 from ddp_course.paths import shorten
 
@@ -322,7 +322,7 @@ def _job(module: str, nproc: int, overrides: dict[str, Any], out_path: Path | No
 def _environment(nproc: int, job_id: str, torchrun_args: list[str] | None, env: dict[str, str] | None
                  ) -> dict[str, str]:
     """This process's environment, unbuffered, the cores shared among the ``nproc`` processes, the job id."""
-    threads = str(max(1, thread_cores() // nproc))
+    threads = str(max(1, cpu_count() // nproc))
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": threads, _JOB_VAR: job_id}
     if any(a.startswith("--max-restarts") or a.startswith("--max_restarts") for a in torchrun_args or []):
         # Restarted workers would otherwise reuse torchrun's rendezvous store, which still holds the

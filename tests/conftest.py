@@ -33,13 +33,6 @@ def pytest_configure(config: pytest.Config) -> None:
             if (folder / SHAKESPEARE_FILE).is_file():
                 os.environ["DDP_COURSE_DATA"] = str(folder)
                 break
-    # Two workers (make test) each launch jobs whose processes would take every core as threads; a
-    # worker's jobs share its part of the machine instead (ddp_course.dist.thread_cores).
-    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-    if workers > 1 and "DDP_COURSE_THREAD_CORES" not in os.environ:
-        from ddp_course.dist import cpu_count
-
-        os.environ["DDP_COURSE_THREAD_CORES"] = str(max(1, cpu_count() // workers))
     config.stash[_CACHE] = tempfile.mkdtemp(prefix="ddp_course_cache_")
     os.environ["XDG_CACHE_HOME"] = config.stash[_CACHE]
 

@@ -148,19 +148,3 @@ def test_cli_run_reports_a_crash(tmp_path):
                                         "--block_size=32", "--micro_batch_size=4"], timeout=120, check=False)
     assert proc.returncode == 1
     assert "injected failure on rank 0" in proc.stderr
-
-
-def test_thread_cores_shares_what_the_variable_gives(monkeypatch):
-    """A job's processes split ``thread_cores()`` into threads: the machine's cores, or the part of
-    them that DDP_COURSE_THREAD_CORES gives (each pytest worker's share under ``make test``)."""
-    from ddp_course import launch
-    from ddp_course.dist import THREAD_CORES_VAR, cpu_count, thread_cores
-
-    monkeypatch.delenv(THREAD_CORES_VAR, raising=False)
-    assert thread_cores() == cpu_count()
-    monkeypatch.setenv(THREAD_CORES_VAR, "1")
-    assert thread_cores() == 1 and launch._environment(2, "x", None, None)["OMP_NUM_THREADS"] == "1"
-    for bad in ("0", "two", "-1"):
-        monkeypatch.setenv(THREAD_CORES_VAR, bad)
-        with pytest.raises(ValueError, match="positive whole number"):
-            thread_cores()
