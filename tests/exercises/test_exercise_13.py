@@ -1,11 +1,11 @@
 """Exercise 13's grader accepts the 2-D plan and rejects the classic mistakes of it, naming each.
 
 Every wrong attempt is the answered solution with the body of ``parallelize`` replaced by what a
-learner would write. Four are graded by real 4-rank jobs, two at a time: FSDP given the whole mesh and
-tensor parallelism after ``fully_shard`` (both fail before training, on the exception they raise), the
-root left unsharded (placements) and a row-wise layer reduced to the whole sequence (the layouts the
-job's probe recorded before it crashed). The other layout mistakes are checked on the probe records
-of real jobs, kept below (``PROBES``: recorded from the attempts of the same names), so that each
+learner would write. Two are graded by real 4-rank jobs, side by side: FSDP given the whole mesh and
+tensor parallelism after ``fully_shard``, which fail before training on an exception of PyTorch's
+that the grader reads (a job is the only honest test of another version's wording). The others are
+judged on what real jobs of those attempts reported, kept below: the placements of a job that left
+the root unsharded (``ROOT_UNSHARDED``) and the layouts the probe recorded (``PROBES``), so that each
 classic mistake has its test without a job of its own.
 """
 
@@ -59,16 +59,11 @@ MISTAKES = {
                                  ("FSDP given the whole 2-D mesh", "mesh=mesh['dp']")),
     "tensor parallelism after fully_shard": (PRE + FSDP.replace("    return model\n", "") + BLOCK + ROOT + "    return model\n",
                                              ("tensor parallelism applied after fully_shard", "Split over tp first")),
-    "the root not sharded": (PRE + BLOCK + ROOT + FSDP.replace('    fully_shard(model, mesh=mesh["dp"])\n', ""),
-                             ("the root is not sharded", "fully_shard(model, mesh=mesh['dp'])")),
-    "a row-wise output reduced to the whole sequence": (
-        PRE + BLOCK.replace("RowwiseParallel(output_layouts=Shard(1))", "RowwiseParallel()") + ROOT + FSDP,
-        ("attn.proj hands on the whole sequence", "RowwiseParallel(output_layouts=Shard(1))")),
 }
 
 
 @pytest.mark.timeout(240)
-def test_classic_mistakes_are_rejected_and_named(tmp_path):
+def test_mistakes_that_fail_on_pytorchs_exceptions_are_rejected_and_named(tmp_path):
     folders = [tmp_path / str(i) for i in range(len(MISTAKES))]
     for folder in folders:
         folder.mkdir()
@@ -112,7 +107,31 @@ def _with(**changes) -> list[dict]:
     return out[:[r["module"] for r in out].index(cut) + 1] if cut else out
 
 
+# A job of PRE + BLOCK + ROOT + FSDP without its last line (fully_shard on the model): where rank 0's
+# parameters lived (its RESULT line's "params", mesh dimensions only)
+ROOT_UNSHARDED = {**{n: {"dims": []} for n in ("tok_emb.weight", "pos_emb.weight")},
+                  **{f"blocks.{b}.{m}.{w}": {"dims": ["dp", "tp"]} for b in (0, 1)
+                     for m in ("ln1", "attn.qkv", "attn.proj", "ln2", "mlp.fc", "mlp.proj") for w in ("weight", "bias")},
+                  **{n: {"dims": ["tp"]} for n in ("ln_f.weight", "ln_f.bias")}}
+
+
+def test_the_root_left_unsharded_is_named_from_the_placements():
+    problem = grader._placement_problem({"params": ROOT_UNSHARDED})
+    assert problem is not None
+    for w in ("the root is not sharded", "tok_emb.weight, pos_emb.weight, ln_f.weight, ln_f.bias",
+              "fully_shard(model, mesh=mesh['dp'])"):
+        assert w in problem, (w, problem)
+
+
 PROBES = {
+    # RowwiseParallel() on attn.proj (its output all-reduced, whole): recorded from a job of that attempt,
+    # which crashed at the residual addition after the probe's last record
+    "a row-wise output reduced to the whole sequence": (
+        [_rec("blocks.0", (False, [], 8), None), _rec("blocks.0.ln1", (True, ["S(1)"], 8), (True, ["S(1)"], 8), ["R"]),
+         _rec("blocks.0.attn", (True, ["R"], 16), (False, [], 16)),
+         _rec("blocks.0.attn.qkv", (True, ["R"], 16), (False, [], 16), ["S(0)"]),
+         _rec("blocks.0.attn.proj", (True, ["S(2)"], 16), (False, [], 16), ["S(1)"])],
+        ("attn.proj hands on the whole sequence", "RowwiseParallel(output_layouts=Shard(1))")),
     # SequenceParallel(use_local_output=True) and no gather before the MLP: fc takes the slice for the whole
     "a slice taken for the whole sequence": (
         _with(blocks_0_mlp=_rec("blocks.0.mlp", (False, [], 8), (False, [], 4)),

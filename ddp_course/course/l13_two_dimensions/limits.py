@@ -25,9 +25,15 @@ import contextlib
 import json
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+from ddp_course.cli import command, parse_flags
+from ddp_course.metrics import write_json
+
+PROG = "python -m ddp_course.course.l13_two_dimensions.limits"
 
 
 @contextlib.contextmanager
@@ -112,10 +118,15 @@ def parse(output: str) -> dict[str, object]:
     return json.loads(line[len("LIMITS "):])
 
 
-def main() -> int:
+@command
+def main(argv: list[str]) -> int:
+    opts = parse_flags(argv, {"out_dir": ""}, PROG, doc=__doc__,
+                       helps={"out_dir": "a folder to write limits.json in as well (default: none)"})
     found = check()
     print("\n".join(report(found)))
     print("LIMITS " + json.dumps(found))
+    if opts["out_dir"]:
+        write_json(Path(opts["out_dir"]) / "limits.json", found)
     return 0
 
 
