@@ -26,8 +26,6 @@ Option: ``--tp`` (tensor-parallel ranks; ``n_head``, ``n_embd`` and ``block_size
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -39,6 +37,7 @@ from torch.distributed.tensor import DTensor
 from ddp_course.config import ConfigError, TrainConfig
 from ddp_course.dist import DistInfo
 from ddp_course.parallel import _tensor_parallel as tp_plan
+from ddp_course.parallel import fsdp
 from ddp_course.parallel.fsdp import mp_policy
 
 
@@ -85,15 +84,9 @@ def wrap(model: nn.Module, info: DistInfo, cfg: TrainConfig) -> nn.Module:
     return model
 
 
-@contextlib.contextmanager
-def sync_context(model: nn.Module, sync: bool) -> Iterator[None]:
-    """FSDP's: no reduce-scatter over ``dp`` until the final micro-step (tensor parallelism's
-    collectives are part of every forward and backward, and run regardless)."""
-    model.set_requires_gradient_sync(sync)
-    try:
-        yield
-    finally:
-        model.set_requires_gradient_sync(True)
+# FSDP's own: no reduce-scatter over ``dp`` until the final micro-step (tensor parallelism's collectives
+# are part of every forward and backward, and run regardless)
+sync_context = fsdp.sync_context
 
 
 def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from ddp_course.cli import FlagError, command, parse_flags
+from ddp_course.course.l11_beyond_data_parallel.tp_lab import same_batches  # --steps global batches of the corpus
 from ddp_course.course.l13_two_dimensions.two_d_harness import (
     GRAD_RTOL,
     LOSS_RTOL,
@@ -112,15 +113,6 @@ def check_options(opts: dict[str, Any], world_size: int) -> list[str]:
     if opts["batch_size"] % (world_size // tp):
         raise FlagError(f"--batch_size={opts['batch_size']} must be divisible by dp = {world_size // tp}.")
     return variants
-
-
-def same_batches(opts: dict[str, Any], device: torch.device) -> tuple[list, int]:
-    """``--steps`` global batches of the corpus, the same on every rank, and the vocabulary size."""
-    from ddp_course.data import prepare, train_batches
-
-    data = prepare(opts["corpus"], opts["block_size"], 0.1, announce=lambda _: None)
-    batches = train_batches(data.train, opts["batch_size"], rank=0, world_size=1, seed=opts["seed"])
-    return [tuple(t.to(device) for t in next(batches)) for _ in range(opts["steps"])], data.tokenizer.vocab_size
 
 
 @command
