@@ -133,6 +133,9 @@ def choose_study_device(requested: str, nprocs: Sequence[int]) -> tuple[str, lis
                           "its own, and a study on mixed devices would compare the devices, not the process counts")
 
 
+COLLECTIVE_TIMEOUT_VAR = "DDP_COURSE_COLLECTIVE_TIMEOUT_S"  # at most this many seconds per collective (setup)
+
+
 def launched_by_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
@@ -143,7 +146,9 @@ def setup(device: str = "auto", timeout_s: float = 120.0, threads: int = 0, beca
 
     ``because`` is the reason a program pins ``device="cpu"`` on any machine; it becomes the
     ``device_reason`` ("CPU with gloo by design: ..."), which the program prints in its first line.
-    Issues no collective except the rendezvous inside ``init_process_group``.
+    ``timeout_s`` is how long a collective waits for a rank that does not come; a job's environment
+    can shorten it (``DDP_COURSE_COLLECTIVE_TIMEOUT_S``: a grader does, so that a learner's hang is
+    answered in seconds). Issues no collective except the rendezvous inside ``init_process_group``.
     """
     if because and device != "cpu":
         raise ValueError(f"because= gives the reason for pinning the CPU; pass device='cpu' (got {device!r}).")
@@ -155,6 +160,8 @@ def setup(device: str = "auto", timeout_s: float = 120.0, threads: int = 0, beca
     local_world_size = int(env.get("LOCAL_WORLD_SIZE", 1))
 
     dev_type, backend, reason = choose_device(device, local_world_size)
+    if env.get(COLLECTIVE_TIMEOUT_VAR):
+        timeout_s = min(timeout_s, float(env[COLLECTIVE_TIMEOUT_VAR]))
     if because:
         reason = f"CPU with gloo by design: {because}"
     if dev_type.type == "cuda":

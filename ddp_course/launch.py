@@ -51,6 +51,10 @@ class LaunchTimeout(LaunchError):
     """The job ran past its timeout and was stopped."""
 
 
+class LaunchStalled(LaunchTimeout):
+    """No rank of the job used the CPU for ``idle_s`` seconds (every rank waiting), so it was stopped."""
+
+
 class LaunchRefused(LaunchError):
     """The job's program refused its input (an ``error:`` paragraph): bad input, not a crash."""
 
@@ -73,8 +77,9 @@ class Run:
         """Which ranks failed and why, in the frames of ``focus`` (a script) or of the course's own
         files; None when no rank left an exception (``ddp_course.postmortem``). ``keep``: a folder to
         copy the full traceback into, when the job's own folder will not last."""
-        return postmortem.describe_failure(postmortem.errors(self.postmortem), self.nproc,
-                                           Path(focus) if focus else None, self.output, Path(keep) if keep else None)
+        focus_ = Path(focus) if focus else None
+        return postmortem.describe_failure(postmortem.errors(self.postmortem), self.nproc, focus_, self.output,
+                                           Path(keep) if keep else None, postmortem.stacks(self.postmortem, focus_))
 
     def hang(self, focus: str | os.PathLike | None = None) -> str | None:
         """Where each rank was when a job that ran past its timeout was stopped; None without stacks."""
@@ -263,9 +268,9 @@ def _validate_train(overrides: dict[str, Any], nproc: int) -> None:
     cfg = from_dict(overrides)
     cfg.resolve_batch(nproc)
     choose_device(cfg.device, nproc)
-    if not parallel.get(cfg.strategy).needs_process_group and nproc > 1:
-        raise ConfigError(f"strategy={cfg.strategy!r} runs in one process, but nproc={nproc}. "
-                          "Use strategy='ddp' for several processes, or nproc=1.")
+    why = parallel.get(cfg.strategy).refusal(distributed=True, world_size=nproc)  # torchrun starts every job of N > 1
+    if why and nproc > 1:
+        raise ConfigError(why)
 
 
 def _check_arguments(nproc: int, echo: str) -> None:
@@ -404,10 +409,60 @@ def _drain(lines: queue.Queue[str | None], output: list[str], echo: str, progres
         return False
 
 
+def _cpu_seconds(pid: int) -> float | None:
+    """CPU time a process has used, all its threads together (Linux ``/proc/<pid>/stat``); None if gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+class _Stall:
+    """Whether every rank of a job has stopped using the CPU: all of them waiting (a collective one
+    rank never reaches, a sleep), where a slow machine would still be computing. Independent of the
+    machine's speed, so it can be short. Linux only (``/proc``); elsewhere it never fires."""
+
+    SAMPLE_S = 1.0
+    BUSY = 0.05  # CPU seconds per second, the ranks together: above it the job is working (waiting: ~0.01)
+    SAY_AFTER_S = 10.0
+
+    def __init__(self, job_id: str, limit_s: float) -> None:
+        self.job_id, self.limit_s = job_id, limit_s
+        self.enabled = Path("/proc").is_dir()
+        self.pids: tuple[int, ...] = ()
+        self.cpu = 0.0
+        self.sampled = self.idle_since = None
+        self.said = False
+
+    def stalled(self, now: float) -> bool:
+        """Sample (once a second); True when the ranks have been idle for ``limit_s`` seconds."""
+        if not self.enabled or (self.sampled is not None and now - self.sampled < self.SAMPLE_S):
+            return False
+        pids = tuple(sorted(_job_processes(self.job_id, ranks_only=True)))
+        times = [_cpu_seconds(p) for p in pids]
+        cpu = sum(t for t in times if t is not None)
+        if not pids or pids != self.pids or None in times or self.sampled is None:
+            self.idle_since = None  # starting, restarting or ending: nothing to judge yet
+        elif cpu - self.cpu > self.BUSY * (now - self.sampled):
+            self.idle_since = None
+        elif self.idle_since is None:
+            self.idle_since = self.sampled
+        self.pids, self.cpu, self.sampled = pids, cpu, now
+        idle = 0.0 if self.idle_since is None else now - self.idle_since
+        if idle >= self.SAY_AFTER_S and not self.said:
+            self.said = True
+            print(f"Waiting: no process of the job has used the CPU for {idle:.0f} s (a rank waiting for one that "
+                  f"never comes looks like this). It is stopped after {self.limit_s:.0f} s of that, with where "
+                  "each rank was.", flush=True)
+        return idle >= self.limit_s
+
+
 def _timed_out(job: _Job, proc: subprocess.Popen, lines: queue.Queue[str | None], output: list[str], timeout: float,
-               start: float) -> LaunchTimeout:
+               start: float, stalled: bool = False) -> LaunchTimeout:
     """Ask every rank where it is (a stack dump), stop the whole job; the error that says it ran past
-    ``timeout`` seconds, with where each rank was (or, without stacks, the last lines of output)."""
+    ``timeout`` seconds, or (``stalled``) that its ranks had been idle that long, with where each rank
+    was (or, without stacks, the last lines of output)."""
     if job.postmortem is not None:
         postmortem.ask_for_stacks(_job_processes(job.job_id, ranks_only=True), job.postmortem)
     stop_job(proc, job.job_id)
@@ -416,23 +471,31 @@ def _timed_out(job: _Job, proc: subprocess.Popen, lines: queue.Queue[str | None]
     where = run_.hang()
     detail = (f"Where each rank was:\n{where}" if where else
               "The last lines of output:\n" + "\n".join(postmortem.without_launcher("\n".join(output)).splitlines()[-20:]))
+    if stalled:
+        return LaunchStalled(f"No process of the job `{job.module}` ({job.nproc} process(es)) used the CPU for "
+                             f"{timeout:.0f} s, so it was stopped (all of its processes). A collective waiting "
+                             f"on a rank that never arrives looks like this. {detail}", run_)
     return LaunchTimeout(f"The job `{job.module}` with {job.nproc} process(es) ran past its timeout of "
                          f"{timeout:.0f}s and was stopped (all of its processes). A collective waiting "
                          f"on a rank that never arrives looks like this. {detail}", run_)
 
 
 def _stream(job: _Job, proc: subprocess.Popen, lines: queue.Queue[str | None], *, echo: str,
-            progress: _Progress | None, timeout: float | None, start: float) -> list[str]:
-    """Follow the job to its end: echo its lines, move the bar; on timeout or Ctrl-C stop all of it."""
+            progress: _Progress | None, timeout: float | None, start: float, idle_s: float | None) -> list[str]:
+    """Follow the job to its end: echo its lines, move the bar; on timeout, a stall or Ctrl-C stop all of it."""
     output: list[str] = []
+    stall = _Stall(job.job_id, idle_s) if idle_s is not None else None
     try:
         finished = False
         while not finished:
             finished = _drain(lines, output, echo, progress)
             if progress is not None:
                 progress.update()
-            if timeout is not None and time.monotonic() - start > timeout:
+            now = time.monotonic()
+            if timeout is not None and now - start > timeout:
                 raise _timed_out(job, proc, lines, output, timeout, start)
+            if stall is not None and not finished and stall.stalled(now):
+                raise _timed_out(job, proc, lines, output, stall.limit_s, start, stalled=True)
         proc.wait()
     except KeyboardInterrupt:
         stop_job(proc, job.job_id)
@@ -458,12 +521,14 @@ def _write_record(run_: Run, env: dict[str, str] | None) -> None:
 def run(module: str = TRAIN_MODULE, nproc: int = 2, *, out_dir: str | os.PathLike | None = None,
         timeout: float | None = None, progress: bool = True, echo: str = "rank0", use_torchrun: bool | None = None,
         env: dict[str, str] | None = None, torchrun_args: list[str] | None = None, check: bool = True,
-        **overrides: Any) -> Run:
+        idle_s: float | None = None, **overrides: Any) -> Run:
     """Launch ``module`` on ``nproc`` processes with ``--key=value`` flags from ``overrides``.
 
     - ``out_dir``: the run folder (``ddp_course.train`` writes its metrics there); default
       ``runs/<module>-<time>``.
     - ``timeout``: seconds before the job is stopped and :class:`LaunchTimeout` raised.
+    - ``idle_s``: stop the job (:class:`LaunchStalled`) when none of its processes has used the CPU
+      for that many seconds: every rank is waiting, whatever the machine's speed (graders use it).
     - ``echo``: "rank0" (rank 0's lines and unprefixed output; per-step lines are left to the
       progress bar when there is one), "all", or "none".
     - ``use_torchrun``: default True when nproc > 1 or the strategy needs a process group;
@@ -492,7 +557,7 @@ def run(module: str = TRAIN_MODULE, nproc: int = 2, *, out_dir: str | os.PathLik
         bar = _Progress(total, f"{overrides.get('strategy', module)} x{nproc}", out_path / "metrics.jsonl")
     start = time.monotonic()
     proc, lines = _start(job.command, full_env)
-    output = _stream(job, proc, lines, echo=echo, progress=bar, timeout=timeout, start=start)
+    output = _stream(job, proc, lines, echo=echo, progress=bar, timeout=timeout, start=start, idle_s=idle_s)
 
     run_ = job.result(proc.returncode, output, time.monotonic() - start)
     if out_path is not None:

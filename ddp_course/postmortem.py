@@ -36,6 +36,10 @@ SITE = Path(__file__).resolve().with_name("_postmortem")
 # Errors a rank gets because another rank died: a consequence, not the cause.
 LOST_PEER = ("Connection closed by peer", "Connection reset", "Broken pipe", "failed to recv", "failed to send",
              "NCCL communicator was aborted", "Socket Timeout", "ProcessGroupGloo::", "Connection refused")
+# A collective that waited past the process group's timeout (gloo, NCCL's watchdog, the store)
+TIMED_OUT = re.compile(r"[Tt]imed out|[Tt]imeout")
+# the C++ source location gloo and c10d put before their messages: "[/path/to/pair.cc:534] "
+_SOURCE_TAG = re.compile(r"\[[^\]\s]+\.(?:cc|cpp|h|hpp):\d+\] ")
 # torch.distributed functions a rank can wait in; the stack names the one it is in.
 COLLECTIVES = ("all_reduce", "broadcast", "barrier", "all_gather", "all_gather_into_tensor", "all_gather_object",
                "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "reduce", "gather",
@@ -254,20 +258,22 @@ def _library_message(output: str) -> str:
 
 
 def describe_failure(states: Sequence[RankState], nproc: int, focus: Path | None = None,
-                     output: str = "", keep: Path | None = None) -> str | None:
+                     output: str = "", keep: Path | None = None, waiting: Sequence[RankState] = ()) -> str | None:
     """Which ranks failed, with their exceptions and frames in ``focus`` (None when no rank left one).
 
     Ranks whose error only says that a peer went away come last, as consequences; ranks with no
-    error at all were stopped by torchrun. A rank that aborted below Python shows where it was and
-    what the library said (from ``output``). ``keep``: a folder to copy the full traceback into (a
-    job's own folder may be deleted after it), which the text then names."""
+    error at all were stopped by torchrun, and where they were is shown when ``waiting`` holds their
+    stacks (a rank whose collective timed out asks for them before it ends: the start-up hook). A
+    rank that aborted below Python shows where it was and what the library said (from ``output``).
+    ``keep``: a folder to copy the full traceback into (a job's own folder may be deleted after it),
+    which the text then names."""
     if not states:
         return None
     causes = [s for s in states if not s.lost_peer] or list(states)
     groups: dict[tuple, list[int]] = {}
     for s in causes:
         own, beyond = _own(s, focus)
-        error = s.error
+        error = _SOURCE_TAG.sub("", s.error)
         if s.kind == "fatal":
             said = _library_message(output)
             error = f"no Python exception: the process aborted ({s.error})" + (f", the library saying: {said}"
@@ -286,6 +292,16 @@ def describe_failure(states: Sequence[RankState], nproc: int, focus: Path | None
         parts.append(f"{_ranks(lost)} then lost {'its' if len(lost) == 1 else 'their'} peer (a consequence, "
                      "not a second mistake)")
     stopped = [r for r in range(nproc) if r not in failed]
+    seen = {s.rank: s for s in waiting if s.rank in stopped}
+    for rank in sorted(seen):
+        own, beyond = _own(seen[rank], focus)
+        if not own:
+            own = [f for f in seen[rank].frames if _is_focus(f, None)][-1:]
+        parts.append(f"rank {rank} was here when {_ranks(sorted(failed))} failed (torchrun then stopped it)\n"
+                     f"{_where(own, beyond, 'waiting')}")
+    if seen and any(TIMED_OUT.search(s.error) for s in causes):
+        parts.append("A collective times out when a rank never reaches it: compare where each rank was.")
+    stopped = [r for r in stopped if r not in seen]
     if stopped:
         parts.append(f"{_ranks(stopped)} {'was' if len(stopped) == 1 else 'were'} stopped by torchrun when "
                      f"{'it' if len(failed) == 1 else 'they'} failed")

@@ -8,7 +8,9 @@ counts restarts):
 - ``rank<R>.error.json``: the exception that ended the process, with its frames (an excepthook,
   chained to whatever hook was there, so the traceback is printed as before);
 - ``rank<R>.stack``: where every thread of the process is, written by ``faulthandler`` when the
-  process receives SIGUSR1 (the course sends it to a job that ran past its timeout, before stopping it);
+  process receives SIGUSR1 (the course sends it to a job that ran past its timeout, before stopping
+  it; and a rank whose collective timed out sends it to the job's other ranks before it ends, since
+  torchrun stops them as soon as it has);
 - ``rank<R>.fatal``: the same, written by ``faulthandler`` when the process dies of a fatal signal
   (a C++ library aborting, a segmentation fault), where no Python exception is left.
 """
@@ -16,6 +18,7 @@ counts restarts):
 import os
 
 _KEEP: list = []  # the files faulthandler writes to: open for as long as the process lives
+JOB_VAR = "DDP_COURSE_JOB"  # every process of a course job carries its id (ddp_course.launch sets it)
 
 
 def _install() -> None:
@@ -65,11 +68,61 @@ def _install() -> None:
             with open(base + ".error.json.part", "w") as f:
                 json.dump(entry, f)
             os.replace(base + ".error.json.part", base + ".error.json")
+            if _TIMED_OUT.search(entry["error"]):
+                _ask_the_others(folder)
         except Exception:  # noqa: BLE001 -- never hide the learner's error behind one of ours
             pass
         previous(kind, value, tb)
 
     sys.excepthook = record
+
+
+def _timed_out_pattern():
+    import re
+
+    # gloo's "Timed out waiting 30000ms for recv", NCCL's watchdog "timeout", the store's "Timeout"
+    return re.compile(r"[Tt]imed out|[Tt]imeout")
+
+
+_TIMED_OUT = _timed_out_pattern()
+
+
+def _ask_the_others(folder: str, wait_s: float = 3.0) -> None:
+    """This rank's collective timed out: ask the job's other ranks (the processes that carry its id, a
+    rank number and this rank's parent, torchrun) where they are, and wait until they have written it.
+    torchrun stops them as soon as this process ends, and a rank that never arrived is the cause."""
+    import signal
+    import time
+
+    job = os.environ.get(JOB_VAR)
+    if not job or not hasattr(signal, "SIGUSR1") or not os.path.isdir("/proc"):
+        return
+    me, parent = os.getpid(), os.getppid()
+    needle = f"{JOB_VAR}={job}".encode()
+    asked = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == me:
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                env = f.read().split(b"\0")
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        rank = next((v[5:].decode() for v in env if v.startswith(b"RANK=")), None)
+        if needle in env and ppid == parent and rank is not None and rank.isdigit():
+            try:
+                os.kill(int(entry), signal.SIGUSR1)
+                asked.append(os.path.join(folder, f"rank{rank}.stack"))
+            except OSError:
+                pass
+    deadline = time.monotonic() + wait_s
+    while asked and time.monotonic() < deadline:
+        if all(os.path.exists(p) and os.path.getsize(p) > 0 for p in asked):
+            time.sleep(0.2)  # the last lines of a dump
+            return
+        time.sleep(0.05)
 
 
 def _error_line(kind, value, text: str) -> str:

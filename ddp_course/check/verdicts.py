@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -167,6 +168,38 @@ def stub_left(job) -> bool:
     return STUB in job.output
 
 
+# A learner's hang is answered within seconds, whichever of these fires first, on any machine: a
+# graded job's collectives wait at most COLLECTIVE_TIMEOUT_S for a rank that does not come (then the
+# rank that timed out asks the others where they are), and a job none of whose processes has used
+# the CPU for IDLE_S is stopped with every rank's stack. A correct graded job never waits that long.
+COLLECTIVE_TIMEOUT_S = 20.0
+IDLE_S = 30.0
+
+
+def graded_job(env: dict[str, str] | None = None, **run_kwargs) -> dict:
+    """``launch.run``'s options for a job that runs a learner's code: the short collective timeout
+    (unless this process's environment sets a shorter one, as the tests do), the stall watch."""
+    from ddp_course.dist import COLLECTIVE_TIMEOUT_VAR
+
+    given = float(os.environ.get(COLLECTIVE_TIMEOUT_VAR) or COLLECTIVE_TIMEOUT_S)
+    env = {COLLECTIVE_TIMEOUT_VAR: f"{min(given, COLLECTIVE_TIMEOUT_S):g}", **(env or {})}
+    return {"idle_s": IDLE_S, **run_kwargs, "env": env}
+
+
+def stopped_verdict(exc, path: str | Path | None, timeout: float, hint: Callable[[str], str] = lambda output: "",
+                    tail: Callable[[str], str] = last_lines, what: str = "the script") -> Verdict:
+    """The verdict on a job that was stopped (``launch.LaunchTimeout``): at the deadline, or because
+    every rank had been waiting (``LaunchStalled``), with where each rank was."""
+    from ddp_course.launch import LaunchStalled
+
+    if isinstance(exc, LaunchStalled):
+        head = (f"{what} stopped making progress: no process used the CPU for {IDLE_S:.0f}s (every rank "
+                f"waiting), so it was stopped.")
+    else:
+        head = f"{what} did not finish within {timeout:.0f}s and was stopped."
+    return Verdict(False, f"{head}{hint(exc.run.output)}{hang_report(exc.run, path, tail)}")
+
+
 def run_exercise(path: str | Path, nproc: int, what: str, timeout: float, *,
                  hint: Callable[[str], str] = lambda output: "", tail: Callable[[str], str] = last_lines,
                  **run_kwargs) -> list[dict] | Verdict:
@@ -184,10 +217,10 @@ def run_exercise(path: str | Path, nproc: int, what: str, timeout: float, *,
     if bad is not None:
         return bad
     try:
-        r = run(str(path), nproc=nproc, echo="none", progress=False, timeout=timeout, check=False, **run_kwargs)
+        r = run(str(path), nproc=nproc, echo="none", progress=False, timeout=timeout, check=False,
+                **graded_job(**run_kwargs))
     except LaunchTimeout as exc:
-        return Verdict(False, f"the script did not finish within {timeout:.0f}s and was stopped."
-                              f"{hint(exc.run.output)}{hang_report(exc.run, path, tail)}")
+        return stopped_verdict(exc, path, timeout, hint, tail)
     if stub_left(r):
         return not_complete(what, path)
     found = results(r.output)

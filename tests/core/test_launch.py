@@ -15,8 +15,9 @@ from pathlib import Path
 import pytest
 from harness import ROOT, TINY, python_module
 
+from ddp_course import launch, postmortem
 from ddp_course.config import ConfigError
-from ddp_course.launch import LaunchError, LaunchTimeout, run
+from ddp_course.launch import LaunchError, LaunchStalled, LaunchTimeout, run
 
 
 def tagged_processes(tag: str) -> list[int]:
@@ -91,6 +92,35 @@ def test_timeout_stops_every_process(tmp_path):
     assert len(raised) == 1 and isinstance(raised[0], LaunchTimeout), raised
     assert "ran past its timeout" in str(raised[0])
     assert tagged_processes(tag) == []
+
+
+def test_a_job_whose_processes_all_wait_is_stopped_with_where_they_were(tmp_path, capsys, monkeypatch):
+    """``idle_s``: no process of the job used the CPU for that long (here one rank sleeps, the other
+    waits for it in an all-reduce whose timeout is far away), so the job is stopped with both lines,
+    and the wait is announced while it lasts."""
+    if not Path("/proc").is_dir():
+        pytest.skip("the stall watch reads /proc (Linux)")
+    script = tmp_path / "stall.py"
+    script.write_text("import time\nimport torch\nimport torch.distributed as dist\n"
+                      "from ddp_course.dist import setup\n"
+                      "with setup(device='cpu', timeout_s=300) as info:\n"
+                      "    if info.rank == 1:\n"
+                      "        time.sleep(300)\n"
+                      "    dist.all_reduce(torch.ones(1))\n", encoding="utf-8")
+    monkeypatch.setattr(launch._Stall, "SAY_AFTER_S", 2.0)
+    with pytest.raises(LaunchStalled) as raised:
+        run(str(script), nproc=2, echo="none", progress=False, timeout=120, idle_s=4, out_dir=tmp_path / "o")
+    where = raised.value.run.hang(script)
+    assert "rank 0 was at" in where and "dist.all_reduce(torch.ones(1))" in where, where
+    assert "rank 1 was at" in where and "time.sleep(300)" in where, where
+    assert "used the CPU for 4 s" in str(raised.value), raised.value
+    assert "Waiting: no process of the job has used the CPU" in capsys.readouterr().out
+
+
+def test_the_start_up_hook_and_the_launcher_name_the_job_alike():
+    """A rank whose collective timed out finds the job's other ranks by the id the launcher gives them."""
+    hook = (postmortem.SITE / "sitecustomize.py").read_text(encoding="utf-8")
+    assert f'JOB_VAR = "{launch._JOB_VAR}"' in hook
 
 
 def test_keyboard_interrupt_stops_every_process(tmp_path):

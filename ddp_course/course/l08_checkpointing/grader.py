@@ -35,7 +35,16 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from ddp_course.check import Verdict, crash_report, hang_report, not_complete, results, stub_left, syntax_verdict
+from ddp_course.check import (
+    Verdict,
+    crash_report,
+    graded_job,
+    not_complete,
+    results,
+    stopped_verdict,
+    stub_left,
+    syntax_verdict,
+)
 from ddp_course.cli import command, parse_flags
 
 EXERCISE = "08_save_load.py"  # the script this grades: lessons/exercises/08_save_load.py
@@ -132,11 +141,10 @@ def _kill_during_save(path: Path, scratch: Path, timeout: float) -> Verdict:
 
     try:
         job = run(KILL_MODULE, nproc=1, use_torchrun=True, out_dir=scratch / "kill", echo="none", progress=False,
-                  timeout=timeout, check=False, torchrun_args=["--max-restarts=1"], env=RESTART_ENV,
-                  script=str(path.resolve()))
+                  timeout=timeout, check=False, script=str(path.resolve()),
+                  **graded_job(env=RESTART_ENV, torchrun_args=["--max-restarts=1"]))
     except LaunchTimeout as exc:
-        return Verdict(False, f"the job that kills a save halfway did not finish within {timeout:.0f}s and was "
-                              f"stopped.{hang_report(exc.run, path)}")
+        return stopped_verdict(exc, path, timeout, what="the job that kills a save halfway")
     found = results(job.output)
     if not found:
         return Verdict(False, "the job that kills a save halfway (one process: save step 1, SIGKILL during the save of "
@@ -263,13 +271,13 @@ def _crash_and_restart(path: str | Path, out_dir: Path, timeout: float) -> Verdi
         return bad
     try:
         job = run(str(path), nproc=NPROC, out_dir=out_dir, echo="none", progress=False, timeout=timeout,
-                  check=False, torchrun_args=["--max-restarts=1"], env=RESTART_ENV, max_steps=MAX_STEPS,
-                  ckpt_step=CKPT_STEP, fail_at_step=FAIL_AT_STEP)
+                  check=False, max_steps=MAX_STEPS, ckpt_step=CKPT_STEP, fail_at_step=FAIL_AT_STEP,
+                  **graded_job(env=RESTART_ENV, torchrun_args=["--max-restarts=1"]))
     except LaunchTimeout as exc:  # the job was stopped
-        return Verdict(False, f"the job did not finish within {timeout:.0f}s and was stopped. A save that waits "
-                              "forever is usually a collective that only some ranks call: dist.barrier() or "
-                              "dist.gather_object() inside `if rank == 0:` waits for ranks that never come. "
-                              f"{hang_report(exc.run, path).lstrip()}")
+        return stopped_verdict(exc, path, timeout, what="the job",
+                               hint=lambda output: " A save that waits forever is usually a collective that only some "
+                               "ranks call: dist.barrier() or dist.gather_object() inside `if rank == 0:` waits for "
+                               "ranks that never come.")
     if stub_left(job):
         return not_complete("save_checkpoint() or load_checkpoint()", path)
     found = results(job.output)
