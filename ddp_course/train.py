@@ -489,16 +489,9 @@ def check_launch(cfg: TrainConfig) -> None:
     distributed = launched_by_torchrun()
     world_size = int(os.environ.get("WORLD_SIZE", 1)) if distributed else 1
     plan = parallel.get(cfg.strategy)
-    needs_group = plan.needs_process_group
-    if needs_group and not distributed:
-        raise ConfigError(f"--strategy={cfg.strategy} needs a process group, and this process was not started by "
-                          f"torchrun: launch with `torchrun --standalone --nproc_per_node=2 -m ddp_course.train "
-                          f"--strategy={cfg.strategy}` (or `python -m ddp_course run --nproc=2 "
-                          f"--strategy={cfg.strategy}`).")
-    if not needs_group and world_size > 1:
-        raise ConfigError(f"--strategy={cfg.strategy} runs in one process, but this job has {world_size} ranks: "
-                          "every rank would train a model of its own. Use --strategy=ddp with torchrun, "
-                          "or launch one process.")
+    why = plan.refusal(distributed, world_size)
+    if why:
+        raise ConfigError(why)
     rank = int(os.environ.get("RANK", 0)) if distributed else 0
     _, dp_size = plan.data_parallel(rank, world_size, cfg)  # a strategy refuses a layout it cannot make
     cfg.replace().resolve_batch(dp_size)  # on a copy: run_training resolves the caller's config again

@@ -36,6 +36,13 @@ name in the module       what it decides                             default
                          state alone (final.pt, fingerprints)
 =======================  ==========================================  =========================================
 
+A module's other public functions are its own helpers; one whose name is close to a hook's
+(``build_optimiser``) is refused when the strategy is loaded, as is a hook that takes other
+arguments than the table says (:class:`StrategyModule` spells the contract for a type checker).
+Whether a process can run the strategy at all (started by torchrun or not, how many ranks) is
+decided in one place, :meth:`Strategy.refusal`, from ``NEEDS_PROCESS_GROUP``; a module may give
+``LAUNCH_EXAMPLE``, the torchrun arguments the refusal suggests.
+
 Whoever holds a wrapped model finds its plan with :func:`strategy_of` (:meth:`Strategy.wrap`
 records it; a wrapper built by hand is recorded with :func:`record`): nothing asks the model which
 wrapper it is. A model nobody wrapped here gets the defaults, which are right for a plain model.
@@ -44,12 +51,14 @@ wrapper it is. A model nobody wrapped here gets the defaults, which are right fo
 from __future__ import annotations
 
 import contextlib
+import difflib
 import functools
 import importlib
+import inspect
 import sys
 import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.nn as nn
@@ -57,7 +66,7 @@ import torch.nn as nn
 if TYPE_CHECKING:  # imported where used: torch.distributed.checkpoint is slow to import
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-from ddp_course.config import TrainConfig
+from ddp_course.config import ConfigError, TrainConfig
 from ddp_course.dist import DistInfo
 
 _WRAPPED: weakref.WeakKeyDictionary[nn.Module, Strategy] = weakref.WeakKeyDictionary()
@@ -121,12 +130,67 @@ def _load_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, model_s
     set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd, options=options)
 
 
+class StrategyModule(Protocol):
+    """What a strategy module may define (the table above); only ``wrap`` is required."""
+
+    NEEDS_PROCESS_GROUP: bool
+    LAUNCH_EXAMPLE: str
+
+    def wrap(self, model: nn.Module, info: DistInfo, cfg: TrainConfig) -> nn.Module: ...
+    def build_optimizer(self, model: nn.Module, cfg: Any, device: torch.device) -> torch.optim.Optimizer: ...
+    def sync_context(self, model: nn.Module, sync: bool) -> contextlib.AbstractContextManager: ...
+    def clip_grad_norm_(self, model: nn.Module, max_norm: float) -> torch.Tensor: ...
+    def unwrap(self, model: nn.Module) -> nn.Module: ...
+    def gathered(self, model: nn.Module) -> nn.Module: ...
+    def state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                   options: StateDictOptions | None) -> tuple[dict, dict]: ...
+    def load_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer, model_sd: dict, optim_sd: dict,
+                        options: StateDictOptions | None) -> None: ...
+    def has_state(self, optimizer: torch.optim.Optimizer) -> bool: ...
+    def devices_per_rank(self, model: nn.Module) -> int: ...
+    def data_parallel(self, rank: int, world_size: int, cfg: Any) -> tuple[int, int]: ...
+    def model_state_dict(self, model: nn.Module, options: StateDictOptions | None) -> dict: ...
+
+
+# every hook, with the number of arguments it takes (StrategyModule's methods, less ``self``)
+HOOKS: dict[str, int] = {name: len(inspect.signature(fn).parameters) - 1
+                         for name, fn in vars(StrategyModule).items() if inspect.isfunction(fn) and name[0] != "_"}
+CONSTANTS = ("NEEDS_PROCESS_GROUP", "LAUNCH_EXAMPLE")
+
+
+def check_module(module: Any) -> None:
+    """Refuse a strategy module whose public names look like a hook or a constant but are not one
+    (a misspelling would silently get the default), or whose hooks take other arguments."""
+    where = f"{module.__name__.replace('.', '/')}.py"
+    if not callable(vars(module).get("wrap")):
+        raise ConfigError(f"{where} defines no wrap(model, info, cfg): every strategy must.")
+    for name, value in vars(module).items():
+        if name.startswith("_"):
+            continue
+        if inspect.isfunction(value) and value.__module__ == module.__name__:
+            if name in HOOKS:
+                wanted, got = HOOKS[name], len(inspect.signature(value).parameters)
+                if got != wanted:
+                    raise ConfigError(f"{where}: the hook {name} takes {got} argument(s); the contract "
+                                      f"(ddp_course/parallel/__init__.py) gives it {wanted}.")
+                continue
+            near = difflib.get_close_matches(name, list(HOOKS), n=1, cutoff=0.8)
+        elif name.isupper():
+            near = [c for c in difflib.get_close_matches(name, CONSTANTS, n=1, cutoff=0.8) if c != name]
+        else:
+            continue
+        if near:
+            raise ConfigError(f"{where} defines {name}, which is not a hook: did you mean {near[0]}? "
+                              "(ddp_course/parallel/__init__.py lists the hooks; a misspelt one would be ignored.)")
+
+
 class Strategy:
     """One strategy's plan: the hooks of ``ddp_course/parallel/<name>.py``, or the defaults above."""
 
     def __init__(self, name: str) -> None:
         self.name = name
         self.module = importlib.import_module(f"{__name__}.{name}")
+        check_module(self.module)
 
     def __repr__(self) -> str:
         return f"Strategy({self.name!r})"
@@ -138,7 +202,25 @@ class Strategy:
     def needs_process_group(self) -> bool:
         return bool(getattr(self.module, "NEEDS_PROCESS_GROUP", True))
 
+    def refusal(self, distributed: bool, world_size: int) -> str | None:
+        """Why a process cannot run this strategy, or None: started without torchrun though it needs a
+        process group, or one of several ranks though it runs in one process."""
+        if self.needs_process_group and not distributed:
+            example = getattr(self.module, "LAUNCH_EXAMPLE",
+                              f"--nproc_per_node=2 -m ddp_course.train --strategy={self.name}")
+            nproc, _, flags = example.partition(" -m ddp_course.train ")
+            return (f"--strategy={self.name} needs a process group, and this process was not started by torchrun: "
+                    f"launch with `torchrun --standalone {example}` (or `python -m ddp_course run "
+                    f"--nproc={nproc.partition('=')[2]} {flags}`; in a notebook, ddp_course.launch.run).")
+        if not self.needs_process_group and world_size > 1:
+            return (f"--strategy={self.name} runs in one process, but this job has {world_size} ranks: every rank "
+                    "would train a model of its own. Use --strategy=ddp with torchrun, or launch one process.")
+        return None
+
     def wrap(self, model: nn.Module, info: DistInfo, cfg: TrainConfig) -> nn.Module:
+        why = self.refusal(info.is_distributed, info.world_size)
+        if why:
+            raise ConfigError(why)
         wrapped = self.module.wrap(model, info, cfg)
         _WRAPPED[wrapped] = self
         return wrapped

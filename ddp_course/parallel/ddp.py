@@ -135,10 +135,6 @@ def ddp_kwargs(cfg: TrainConfig) -> dict:
 
 def wrap(model: nn.Module, info: DistInfo, cfg: TrainConfig) -> nn.Module:
     """DistributedDataParallel with the config's DDP options and communication hook (needs a process group)."""
-    if not info.is_distributed:
-        raise ValueError("--strategy=ddp needs a process group: launch with "
-                         "`torchrun --standalone --nproc_per_node=2 -m ddp_course.train --strategy=ddp` "
-                         "(or ddp_course.launch.run(..., nproc=2)).")
     hook = comm_hook(cfg.comm_hook, info.backend)  # refuse a bad hook before DDP's first broadcast
     device_ids = [info.device.index] if info.device.type == "cuda" else None
     ddp = DDP(model, device_ids=device_ids, **ddp_kwargs(cfg))

@@ -88,10 +88,6 @@ def wrap(model: nn.Module, info: DistInfo, cfg: TrainConfig) -> nn.Module:
     Collectives: none here (every rank shards its own identical copy: same seed, same init); the
     all-gathers and reduce-scatters happen in forward and backward.
     """
-    if not info.is_distributed:
-        raise ConfigError("--strategy=fsdp needs a process group: launch with "
-                          "`torchrun --standalone --nproc_per_node=2 -m ddp_course.train --strategy=fsdp` "
-                          "(or ddp_course.launch.run(..., nproc=2)).")
     if not isinstance(getattr(model, "blocks", None), nn.ModuleList):
         raise ConfigError(f"--strategy=fsdp shards each transformer block of `model.blocks`; {type(model).__name__} "
                           "has no such ModuleList.")

@@ -62,9 +62,6 @@ def sharding_strategy(info: DistInfo, cfg: TrainConfig) -> ShardingStrategy:
 
 def wrap(model: nn.Module, info: DistInfo, cfg: TrainConfig) -> nn.Module:
     """Wrap each transformer block, then the root, in FullyShardedDataParallel; returns the root wrapper."""
-    if not info.is_distributed:
-        raise ConfigError("--strategy=fsdp1 needs a process group: launch with "
-                          "`torchrun --standalone --nproc_per_node=2 -m ddp_course.train --strategy=fsdp1`.")
     strategy = sharding_strategy(info, cfg)  # refuse before any collective
     if cfg.fsdp_cpu_offload and info.device.type != "cuda":
         raise ConfigError("--fsdp_cpu_offload needs a GPU: it moves parameters from GPU memory to CPU memory, and "

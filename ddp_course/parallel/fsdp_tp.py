@@ -40,6 +40,8 @@ from ddp_course.parallel import _tensor_parallel as tp_plan
 from ddp_course.parallel import fsdp
 from ddp_course.parallel.fsdp import mp_policy
 
+LAUNCH_EXAMPLE = "--nproc_per_node=4 -m ddp_course.train --strategy=fsdp_tp --tp=2"  # what the refusal without torchrun suggests
+
 
 def layout(world_size: int, cfg: TrainConfig) -> tuple[int, int]:
     """(dp, tp) for this world size; a ConfigError when ``--tp`` does not divide it or the model."""
@@ -69,10 +71,6 @@ def device_mesh(info: DistInfo, cfg: TrainConfig) -> DeviceMesh:
 
 def wrap(model: nn.Module, info: DistInfo, cfg: TrainConfig) -> nn.Module:
     """Tensor (and sequence) parallel inside each block over ``tp``, then FSDP2 over ``dp``, in place."""
-    if not info.is_distributed:
-        raise ConfigError("--strategy=fsdp_tp needs a process group: launch with "
-                          "`torchrun --standalone --nproc_per_node=4 -m ddp_course.train --strategy=fsdp_tp --tp=2` "
-                          "(or ddp_course.launch.run(..., nproc=4)).")
     mesh = device_mesh(info, cfg)
     tp_plan.quiet_sequential_redistribution()
     tp_plan.tensor_parallel(model, mesh["tp"], sequence_parallel=True)

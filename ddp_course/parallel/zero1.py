@@ -25,7 +25,7 @@ import torch.nn as nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ddp_course.config import ConfigError, TrainConfig
+from ddp_course.config import TrainConfig
 from ddp_course.dist import DistInfo
 from ddp_course.parallel import adamw_options, ddp, decay_groups
 
@@ -38,9 +38,6 @@ unwrap = ddp.unwrap
 
 def wrap(model: nn.Module, info: DistInfo, cfg: TrainConfig) -> DDP:
     """DistributedDataParallel, as ``--strategy=ddp`` builds it (the optimizer is where ZeRO-1 differs)."""
-    if not info.is_distributed:
-        raise ConfigError("--strategy=zero1 needs a process group: launch with "
-                          "`torchrun --standalone --nproc_per_node=2 -m ddp_course.train --strategy=zero1`.")
     return ddp.wrap(model, info, cfg)
 
 

@@ -12,13 +12,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 from harness import TINY, python_module, torchrun
 
 from ddp_course import __main__ as course_cli
-from ddp_course import bench, config, launch, train
+from ddp_course import bench, config, launch, parallel, train
 from ddp_course import dist as course_dist
 from ddp_course.cli import FlagError, parse_flags, usage
-from ddp_course.config import ConfigError, TrainConfig, parse_cli, to_cli
+from ddp_course.config import ConfigError, TrainConfig, available_strategies, parse_cli, to_cli
 
 TINY_ARGS = to_cli({**TINY, "max_steps": 1})
 
@@ -61,10 +62,17 @@ def test_ddp_without_torchrun_is_one_error_line(tmp_path):
     assert "needs a process group" in line and "torchrun --standalone --nproc_per_node=2" in line
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_check_launch_refuses_a_group_strategy_in_one_plain_process(strategy, no_torchrun, tmp_path):
-    with pytest.raises(ConfigError, match=f"--strategy={strategy} needs a process group"):
+@pytest.mark.parametrize("strategy", [n for n in available_strategies() if parallel.get(n).needs_process_group])
+def test_check_launch_and_wrap_refuse_a_group_strategy_in_one_plain_process_alike(strategy, no_torchrun, tmp_path):
+    """One refusal (``Strategy.refusal``), whoever asks: the launch check before anything is built, or
+    the strategy's wrap called by hand."""
+    with pytest.raises(ConfigError) as by_launch:
         train.check_launch(TrainConfig(strategy=strategy, out_dir=str(tmp_path)))
+    with pytest.raises(ConfigError) as by_wrap:
+        parallel.wrap(torch.nn.Linear(2, 2), course_dist.DistInfo(), TrainConfig(strategy=strategy))
+    assert str(by_launch.value) == str(by_wrap.value)
+    assert f"--strategy={strategy} needs a process group" in str(by_wrap.value)
+    assert "torchrun --standalone --nproc_per_node=" in str(by_wrap.value)
 
 
 def test_check_launch_refuses_one_process_strategies_on_several_ranks(monkeypatch, tmp_path):
