@@ -29,10 +29,11 @@ Run it (from the repository root):
 
 The part below your functions trains your ``MyDDP`` and ``torch.nn.parallel.DistributedDataParallel``
 side by side (the same initial weights, the same batches on each rank, one micro-batch under
-``no_sync`` then one synced per optimizer step), logs every all-reduce your code issues and when (in
-backward or after it, under ``no_sync`` or not) and when your code waits on it, counts the bytes both
-send, times a step of each, and prints PASS or FAIL on every rank and one ``RESULT {json}`` line per
-rank. The grader runs it the same way and says what is wrong:
+``no_sync`` then one synced per optimizer step), logs every all-reduce your code issues, however it
+calls it, and when (in backward or after it, under ``no_sync`` or not), when your code waits on it
+and whether backward went on while it was in flight, counts the bytes both send, times a step of
+each, and prints PASS or FAIL on every rank and one ``RESULT {json}`` line per rank. The grader runs
+it the same way and says what is wrong:
 
     python -m ddp_course check 05 lessons/exercises/05_my_ddp.py
 """
@@ -45,9 +46,12 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
-from ddp_course.course.l05_inside_ddp.ddp_common import CollectiveCounter, time_steps
+from ddp_course.course.l05_inside_ddp.ddp_common import CollectiveCounter, collective_kind, time_steps
 from ddp_course.course.tiny import micro_batch, tiny_model
 from ddp_course.dist import log, setup
 
@@ -180,53 +184,97 @@ class MyDDP(torch.nn.Module):
 # --------------------------------------------------------------------------------------------------
 # the harness: trains MyDDP beside torch's DDP and records what your code did (do not edit below)
 
-class AllReduceLog:
-    """Every all-reduce issued while ``phase`` is set: when, how big, how far backward was, and when
-    its handle was first waited on.
+class AllReduceLog(TorchDispatchMode):
+    """Every all-reduce issued while ``phase`` is set: when, how big, how far backward was, when it
+    was first waited on, and whether backward went on while it was in flight.
 
-    The log watches the method that ``dist.all_reduce`` ends in, whatever name the code calls it by
-    (``dist.all_reduce``, a name imported from ``torch.distributed``, the group's own ``allreduce``):
-    ``ProcessGroup.allreduce`` (and ``allreduce_coalesced``), wrapped while the log is open to note
-    each call and keep its handle. ``ready`` counts the gradients already final in the current
-    backward (a post-accumulate-grad hook of the log's own, registered before MyDDP's, so at a call
-    from a hook it includes that hook's parameter). ``waited`` is the phase and ``ready`` at the first
-    ``wait`` on the handle, or on the future it gives (``get_future``); None if never waited on that
-    way. A wait is noted as ``.wait`` is looked up, so that no frame of the log is on the stack while
-    a rank waits.
+    The log is a dispatch mode, active while MyDDP trains (``with calls:``). Every collective reaches
+    PyTorch's dispatcher as an operator, whatever the code called: ``c10d.allreduce_`` for
+    ``dist.all_reduce`` (by any name, or the group's own ``allreduce``), ``_c10d_functional.all_reduce``
+    for ``torch.distributed._functional_collectives``; the mode sees each one with its tensors, also
+    from a gradient hook (on a CPU, autograd runs backward and its hooks in the thread that called
+    ``backward``). ``ready`` counts the gradients already final in the current backward (a
+    post-accumulate-grad hook of the log's own, registered before MyDDP's, so at a call from a hook
+    it includes that hook's parameter).
+
+    ``waited`` is the phase and ``ready`` at the first wait on the all-reduce that the log sees: a
+    ``wait`` on its handle or on the future it gives (``get_future``), or ``wait_tensor`` on a
+    functional all-reduce's result (an AsyncCollectiveTensor calls it at its first use); None if
+    never waited on that way. A wait on a handle is noted as ``.wait`` is looked up, so that no frame
+    of the log is on the stack while a rank waits.
+
+    ``in_flight`` counts the log's checks at which the all-reduce was still running: one as each
+    gradient's hooks start, one once they have all run (a second hook of the log's, registered after
+    MyDDP's: ``check_after_hooks``). 0: it had completed before backward went on from where it was
+    launched, whatever waited for it (``wait`` on the handle, ``torch.futures.wait_all``,
+    ``wait_tensor``, a loop on ``is_completed``...). A functional all-reduce hands out no handle to
+    ask: it is running until its result is waited on.
     """
 
     def __init__(self, model: torch.nn.Module):
+        super().__init__()
         self.phase: str | None = None  # "no_sync backward", "backward", "after backward" or None (not logging)
         self.step = 0
         self.ready = 0
         self.calls: list[dict] = []
         self.n_grads = len(list(model.parameters()))
         self._handles = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in model.parameters()]
+        self._running: list[tuple] = []  # (call, its work and future; None, None for a functional all-reduce)
         self._handled: dict[int, tuple] = {}  # id(work or future) -> (it, its call); kept, so no other takes the id
+        self._results: dict[int, tuple] = {}  # a functional all-reduce's result: its storage's address -> (it, its call)
         self._real = {(cls, name): cls.__dict__[name] for cls, name in (
-            (dist.ProcessGroup, "allreduce"), (dist.ProcessGroup, "allreduce_coalesced"),
             (dist.Work, "get_future"), (dist.Work, "wait"), (torch._C.Future, "wait"))}
-        for name in ("allreduce", "allreduce_coalesced"):
-            setattr(dist.ProcessGroup, name, self._logged(self._real[(dist.ProcessGroup, name)]))
         dist.Work.get_future = self._noted_future(self._real[(dist.Work, "get_future")])
         dist.Work.wait = _NotedWait(self, self._real[(dist.Work, "wait")])
         torch._C.Future.wait = _NotedWait(self, self._real[(torch._C.Future, "wait")])
 
+    def check_after_hooks(self, model: torch.nn.Module) -> None:
+        """The second hook on every parameter: call once MyDDP has registered its own."""
+        self._handles += [p.register_post_accumulate_grad_hook(lambda param: self._check()) for p in model.parameters()]
+
     def _grad_ready(self, param) -> None:
         self.ready += 1
+        self._check()
 
-    def _logged(self, real):
-        def logged(group, tensors, *args, **kwargs):
-            work = real.__get__(group)(tensors, *args, **kwargs)
-            if self.phase is not None:
-                opts = next((a for a in (*args, *kwargs.values()) if hasattr(a, "asyncOp")), None)
-                tensors = [tensors] if isinstance(tensors, torch.Tensor) else tensors
-                call = {"step": self.step, "phase": self.phase, "bytes": sum(t.numel() * t.element_size() for t in tensors),
-                        "async": opts is None or bool(opts.asyncOp), "ready": self.ready, "waited": None}
-                self.calls.append(call)
-                self._handled[id(work)] = (work, call)
-            return work
-        return logged
+    def _check(self) -> None:
+        running = []
+        for call, work, future in self._running:
+            done = call["waited"] is not None if work is None else work.is_completed() or future.done()
+            if not done:
+                call["in_flight"] += 1
+                running.append((call, work, future))
+        self._running = running
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func._schema.name.endswith("::wait_tensor"):
+            self._waited_result(args[0])
+        unwaited = [t for t in tree_leaves((args, kwargs)) if isinstance(t, AsyncCollectiveTensor) and not t.completed] \
+            if any(issubclass(t, AsyncCollectiveTensor) for t in types) else []
+        out = func(*args, **kwargs)
+        for t in unwaited:
+            if t.completed:  # this use of it waited on it (a view of it does not)
+                self._waited_result(t)
+        if self.phase is not None and collective_kind(func) == "all_reduce":
+            self._logged(func, args, kwargs, out)
+        return out
+
+    def _logged(self, func, args, kwargs, out) -> None:
+        named = {**dict(zip((a.name for a in func._schema.arguments), args)), **kwargs}
+        tensors = [t for t in tree_leaves(args) if isinstance(t, torch.Tensor)]
+        call = {"step": self.step, "phase": self.phase, "bytes": sum(t.numel() * t.element_size() for t in tensors),
+                "async": bool(named.get("async_op", True)), "ready": self.ready, "waited": None, "in_flight": 0}
+        self.calls.append(call)
+        boxed = [o for o in tree_leaves(out) if isinstance(o, torch.ScriptObject)]
+        if boxed:  # c10d's: its work, the very object that dist.all_reduce returns
+            work = dist.Work.unbox(boxed[0])
+            self._handled[id(work)] = (work, call)
+            self._running.append((call, work, self._real[(dist.Work, "get_future")].__get__(work)()))
+        else:  # a functional all-reduce: its result, which wait_tensor waits on
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor):
+                    self._results[t.untyped_storage().data_ptr()] = (t, call)
+            self._running.append((call, None, None))
 
     def _noted_future(self, real):
         def get_future(work):
@@ -236,10 +284,17 @@ class AllReduceLog:
             return future
         return get_future
 
-    def waited(self, handle) -> None:
-        _, call = self._handled.get(id(handle), (None, None))
+    def _note_wait(self, call: dict | None) -> None:
         if call is not None and call["waited"] is None:
             call["waited"] = {"phase": self.phase, "ready": self.ready}
+
+    def waited(self, handle) -> None:
+        self._note_wait(self._handled.get(id(handle), (None, None))[1])
+
+    def _waited_result(self, t) -> None:
+        t = t.elem if isinstance(t, AsyncCollectiveTensor) else t  # a view of a result shares its storage
+        if isinstance(t, torch.Tensor):
+            self._note_wait(self._results.get(t.untyped_storage().data_ptr(), (None, None))[1])
 
     def start_backward(self, phase: str) -> None:
         self.phase, self.ready = phase, 0
@@ -251,6 +306,8 @@ class AllReduceLog:
         for (cls, name), real in self._real.items():
             setattr(cls, name, real)
         self._handled.clear()
+        self._results.clear()
+        self._running.clear()
 
 
 class _NotedWait:
@@ -268,18 +325,20 @@ class _NotedWait:
 
 def accumulate(model, batches, calls: AllReduceLog | None = None) -> None:
     """Forward and backward of every micro-batch, all but the last inside no_sync; then the gradient
-    sync (MyDDP's finish_gradient_sync; torch's DDP did it at the end of backward)."""
-    for i, (x, y) in enumerate(batches):
-        last = i == len(batches) - 1
-        with contextlib.nullcontext() if last else model.no_sync():
-            _, loss = model(x, y)
-            if calls is not None:
-                calls.start_backward("backward" if last else "no_sync backward")
-            (loss / len(batches)).backward()
-            if calls is not None:
-                calls.phase = "after backward"
-    if isinstance(model, MyDDP):
-        model.finish_gradient_sync()
+    sync (MyDDP's finish_gradient_sync; torch's DDP did it at the end of backward). ``calls``, the
+    log, is active throughout."""
+    with calls if calls is not None else contextlib.nullcontext():
+        for i, (x, y) in enumerate(batches):
+            last = i == len(batches) - 1
+            with contextlib.nullcontext() if last else model.no_sync():
+                _, loss = model(x, y)
+                if calls is not None:
+                    calls.start_backward("backward" if last else "no_sync backward")
+                (loss / len(batches)).backward()
+                if calls is not None:
+                    calls.phase = "after backward"
+        if isinstance(model, MyDDP):
+            model.finish_gradient_sync()
     if calls is not None:
         calls.phase = None
 
@@ -296,6 +355,7 @@ def main() -> None:
         names = {id(p): n for n, p in model.named_parameters()}
         calls = AllReduceLog(model)
         mine = MyDDP(model, BUCKET_CAP_MB)
+        calls.check_after_hooks(model)
         theirs = DDP(reference, bucket_cap_mb=BUCKET_CAP_MB)  # broadcasts rank 0's weights to every rank
         init_diff = (flatten_all(model.parameters()) - flatten_all(reference.parameters())).abs().max().item()
         opts = [torch.optim.SGD(m.parameters(), lr=LR, momentum=0.9) for m in (model, reference)]
@@ -341,11 +401,15 @@ def main() -> None:
         # waited on while backward still had gradients to compute: backward stopped for the network
         early = sum(c["waited"] is not None and c["waited"]["phase"] == "backward" and c["waited"]["ready"] < calls.n_grads
                     for s in steps for c in s["calls"])
+        # launched before backward's last gradient, and every one complete before backward went on: the hooks waited
+        launched = [c for s in steps for c in s["calls"] if c["phase"] == "backward" and c["ready"] < calls.n_grads]
+        held = bool(launched) and all(c["in_flight"] == 0 for c in launched)
         ok = (steps[-1]["param_diff"] <= PARAM_ATOL and all(len(c) == len(mine.buckets) for c in synced)
-              and all(c["phase"] == "backward" for s in steps for c in s["calls"]) and not early)
+              and all(c["phase"] == "backward" for s in steps for c in s["calls"]) and not early and not held)
         log(f"{len(mine.buckets)} bucket(s); all-reduces per step in no_sync backward / backward / after backward: "
             f"{[[sum(c['phase'] == ph for c in s['calls']) for ph in ('no_sync backward', 'backward', 'after backward')] for s in steps]}"
-            f"{f', {early} waited on inside backward' if early else ''}; "
+            f"{f', {early} waited on inside backward' if early else ''}"
+            f"{', each complete before backward went on' if held else ''}; "
             f"max |param - DDP param| after {STEPS} steps {steps[-1]['param_diff']:.1e} -> {'PASS' if ok else 'FAIL'}",
             all_ranks=True)
         sys.stdout.write("RESULT " + json.dumps({

@@ -3,11 +3,12 @@ saying which one it is.
 
 Every wrong attempt is the answered solution with one function body replaced (two for the
 all-reduce moved after backward: the hook stops launching and finish_reduction starts), run for
-real on 2 ranks; so is a correct answer spelled otherwise (the collectives imported by name, the
-handles waited on through their futures), which must pass. The mistakes the grader reads from the
-bucket layout alone (forward order, one bucket per parameter), the synchronous all-reduce and the
-handle waited on inside backward are checked on the solution's own records, changed the way those
-mistakes change them: no job needed.
+real on 2 ranks; so are correct answers spelled otherwise (the collectives imported by name, the
+handles waited on through their futures; the functional collectives), which must pass: the grader
+judges what the code does, not how it is spelled. The mistakes the grader reads from the bucket
+layout alone (forward order, one bucket per parameter), the synchronous all-reduce, the handle
+waited on inside backward and the all-reduces complete before backward went on are checked on the
+solution's own records, changed the way those mistakes change them: no job needed.
 """
 
 from __future__ import annotations
@@ -96,6 +97,17 @@ MISTAKES = {
                          "        bucket.work = dist.all_reduce(bucket.flat, async_op=True)\n"
                          "        bucket.work.wait()\n"},
         ("waited on inside backward", "in the hook", "finish_reduction")),
+    # the same, waited on through a future the log never handed out (torch.futures.wait_all collects
+    # the work's future into a new one): judged by completion, every all-reduce done before backward went on
+    "waited on in the hook through torch.futures.wait_all": ({
+        "on_grad_ready": "    if not ddp.require_sync:\n"
+                         "        return\n"
+                         "    bucket.ready += 1\n"
+                         "    if bucket.ready == len(bucket.params):\n"
+                         "        bucket.flat = torch.cat([p.grad.reshape(-1) for p in bucket.params])\n"
+                         "        bucket.work = dist.all_reduce(bucket.flat, async_op=True)\n"
+                         "        torch.futures.wait_all([bucket.work.get_future()])\n"},
+        ("before backward went on from the hook", "nothing overlaps", "finish_reduction")),
 }
 
 # name -> ({function: new body}, top-level imports): correct answers spelled otherwise, which must pass
@@ -118,6 +130,20 @@ RESPELLED = {
                             "            p.grad.copy_(g.view_as(p))\n"
                             "        bucket.ready, bucket.flat, bucket.work = 0, None, None\n"},
         "from torch.distributed import all_reduce, broadcast\n"),
+    # torch.distributed._functional_collectives: the all-reduce returns an AsyncCollectiveTensor (no
+    # handle), which waits at its first use, in finish_reduction
+    "functional collectives": ({
+        "on_grad_ready": "    if ddp.require_sync:\n"
+                         "        bucket.ready += 1\n"
+                         "        if bucket.ready == len(bucket.params):\n"
+                         "            flat = torch.cat([p.grad.reshape(-1) for p in bucket.params])\n"
+                         "            bucket.flat = funcol.all_reduce(flat, \"sum\", dist.group.WORLD)\n",
+        "finish_reduction": "    for bucket in ddp.buckets:\n"
+                            "        grads = (bucket.flat / ddp.world_size).split([p.numel() for p in bucket.params])\n"
+                            "        for p, g in zip(bucket.params, grads):\n"
+                            "            p.grad.copy_(g.view_as(p))\n"
+                            "        bucket.ready, bucket.flat = 0, None\n"},
+        "import torch.distributed._functional_collectives as funcol\n"),
 }
 
 
@@ -147,7 +173,8 @@ def test_correct_answer_spelled_otherwise_passes(answer, verdicts):
     assert verdict.ok, verdict.message
     calls = [c for r in verdict.records for s in r["steps"] for c in s["calls"]]
     assert calls and all(c["phase"] == "backward" and c["async"] for c in calls)
-    # each work waited on (through its future) in finish_reduction, once backward had returned
+    # each all-reduce waited on (through its work's future, or its result's first use) in
+    # finish_reduction, once backward had returned
     assert all(c["waited"] == {"phase": "after backward", "ready": r["n_grads"]}
                for r in verdict.records for s in r["steps"] for c in s["calls"])
 
@@ -207,6 +234,33 @@ def test_layout_and_blocking_mistakes_are_named_from_the_records(solution):
         verdict = grader.diagnose(_changed(solution.records, waited(when)))
         assert verdict.ok, verdict.message
     assert "async_op=True" in grader._hint("AttributeError: 'NoneType' object has no attribute 'wait'")
+
+
+def test_all_reduces_complete_before_backward_went_on_are_named_from_the_records(solution):
+    """Waited for in the hook by a wait the log does not see: every all-reduce launched before the
+    last gradient was complete at the log's first check after its launch (in_flight 0)."""
+    def in_flight(when):
+        def change(r):
+            for s in r["steps"]:
+                for c in s["calls"]:
+                    c["in_flight"] = when(c)
+        return change
+
+    n_grads = solution.records[0]["n_grads"]
+    early = [c for r in solution.records for s in r["steps"] for c in s["calls"] if c["ready"] < n_grads]
+    # The solution's: still running once backward went on from its hook -- on the rank that reached the
+    # all-reduce first, always (it waits for the other); the rank that came second may find it already
+    # done on a quiet machine. So some are in flight, never all finished: the grader asks no more.
+    assert early and any(c["in_flight"] > 0 for c in early)
+    verdict = grader.diagnose(_changed(solution.records, in_flight(lambda c: 0)))
+    assert not verdict.ok and "before backward went on from the hook" in verdict.message, verdict.message
+    assert f"all {len(early)} all-reduces" in verdict.message and "finish_reduction" in verdict.message
+    # the last bucket (launched once every gradient is final) may be waited on at once: nothing to overlap
+    verdict = grader.diagnose(_changed(solution.records, in_flight(lambda c: 0 if c["ready"] == n_grads else 3)))
+    assert verdict.ok, verdict.message
+    # some done before the next check (a fast network, a busy machine) prove nothing: only all of them do
+    verdict = grader.diagnose(_changed(solution.records, in_flight(lambda c: 0 if c["ready"] < 15 else 3)))
+    assert verdict.ok, verdict.message
 
 
 def test_comparison_of_a_run_that_did_not_happen_says_what_to_do():

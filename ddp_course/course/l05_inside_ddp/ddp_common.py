@@ -2,8 +2,11 @@
 
 - :class:`BucketRecorder`: a DDP communication hook that records every bucket DDP hands it (index,
   parameter names, size) before passing it on to the real hook -- so it counts all-reduces per step.
-- :class:`CollectiveCounter`: sees every collective (``c10d`` operator) issued inside its ``with``
-  block -- DDP's own all-reduces included -- with its dtype and bytes: the traffic, measured.
+- :func:`collective_kind`: which collective a dispatched operator issues, however it was called
+  (``c10d``'s operators or the functional collectives'); lesson 13's counter and exercise 05's log
+  recognise collectives with it too.
+- :class:`CollectiveCounter`: sees every collective issued inside its ``with`` block -- DDP's own
+  all-reduces included -- with its dtype and bytes: the traffic, measured.
 - :func:`ring_bytes_sent`: what one rank sends over the network for a collective of a given payload.
 - :func:`read_trace`: the spans of a ``torch.profiler`` Chrome trace that the overlap timeline draws.
 """
@@ -58,13 +61,46 @@ class BucketRecorder:
         return [c for c in self.calls if c["step"] == step]
 
 
+# A collective's kind from its operator's name, by prefix: c10d's names (``allreduce_``,
+# ``_allgather_base_``, ``alltoall_base_``) and the functional collectives' (``all_reduce``,
+# ``all_gather_into_tensor``, ``all_to_all_single``). Other operators of these namespaces are no
+# collective: ``wait_tensor``, ``_wrap_tensor_autograd``, ``barrier``, point-to-point sends...
+_KINDS = {"all_gather": "all_gather", "allgather": "all_gather", "reduce_scatter": "reduce_scatter",
+          "all_reduce": "all_reduce", "allreduce": "all_reduce", "broadcast": "broadcast",
+          "all_to_all": "all_to_all", "alltoall": "all_to_all"}
+COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional")
+
+
+def collective_kind(func) -> str | None:
+    """The collective a dispatched operator issues ("all_reduce", "all_gather", "reduce_scatter",
+    "broadcast" or "all_to_all"), or None for any other operator.
+
+    Every collective reaches PyTorch's dispatcher as an operator, which a dispatch mode sees whoever
+    issued it: ``dist.all_reduce`` (whatever name it is called by) and DDP's C++ reducer reach
+    ``c10d.allreduce_``; ``torch.distributed._functional_collectives`` (and DTensor, FSDP2's
+    redistributions) reach ``_c10d_functional.all_reduce`` or ``all_reduce_``, whose result is then
+    waited on with ``_c10d_functional.wait_tensor`` (not a collective: None).
+    """
+    if func.namespace not in COLLECTIVE_NAMESPACES:
+        return None
+    base = func._schema.name.split("::")[-1].lstrip("_")
+    return next((kind for prefix, kind in _KINDS.items() if base.startswith(prefix)), None)
+
+
+# how CollectiveCounter names a functional collective: as the c10d operator that does the same
+_C10D_NAMES = {"all_reduce": "allreduce", "all_gather": "allgather_base", "reduce_scatter": "reduce_scatter_base",
+               "broadcast": "broadcast", "all_to_all": "alltoall_base"}
+
+
 class CollectiveCounter(TorchDispatchMode):
     """Every collective issued inside ``with CollectiveCounter() as c:`` -- DDP's included.
 
     Collectives reach the backend through ``c10d`` operators (``c10d.allreduce_``,
-    ``c10d._allgather_base_``, ``c10d.broadcast_`` ...), also when DDP's C++ reducer issues them; a
-    dispatch mode sees each one with its tensors. ``payload_bytes`` counts the tensors a rank hands
-    in (for an all-gather, its own input, not the gathered output).
+    ``c10d._allgather_base_``, ``c10d.broadcast_`` ...), also when DDP's C++ reducer issues them, or
+    through the functional collectives' (``_c10d_functional.all_reduce`` ..., counted under the name
+    of the c10d operator that does the same); a dispatch mode sees each one with its tensors.
+    ``payload_bytes`` counts the tensors a rank hands in (for an all-gather, its own input, not the
+    gathered output).
     """
 
     def __init__(self) -> None:
@@ -73,6 +109,7 @@ class CollectiveCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        tensors: list[torch.Tensor] = []
         if func.namespace == "c10d":
             name = func.__name__.split(".")[0].strip("_")
             tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
@@ -80,10 +117,13 @@ class CollectiveCounter(TorchDispatchMode):
                 tensors = tensors[1:2]  # (output, input): the rank's payload is its input
             elif name == "allgather":
                 tensors = tensors[-1:]
-            if tensors:
-                self.ops.append({"op": name, "dtype": str(tensors[0].dtype).replace("torch.", ""),
-                                 "numel": sum(t.numel() for t in tensors),
-                                 "bytes": sum(t.numel() * t.element_size() for t in tensors)})
+        elif (kind := collective_kind(func)) is not None:  # a functional collective: its positional tensors are its input
+            name = _C10D_NAMES[kind]
+            tensors = [t for t in tree_leaves(args) if isinstance(t, torch.Tensor)]
+        if tensors:
+            self.ops.append({"op": name, "dtype": str(tensors[0].dtype).replace("torch.", ""),
+                             "numel": sum(t.numel() for t in tensors),
+                             "bytes": sum(t.numel() * t.element_size() for t in tensors)})
         return func(*args, **kwargs)
 
     def summary(self, world_size: int) -> dict[str, Any]:

@@ -3,20 +3,23 @@
 The script runs for real with torchrun on 2 processes. Its harness trains the learner's ``MyDDP``
 beside ``torch.nn.parallel.DistributedDataParallel`` (same initial weights, same batches, one
 micro-batch under ``no_sync`` then one synced per optimizer step) and reports, per rank: the bucket
-layout the learner built, every all-reduce the learner's code issued, whatever name it called it by
-(seen where ``dist.all_reduce`` reaches the process group: in which phase, the ``no_sync`` backward,
-the synced backward, or after it; asynchronous or not; how many gradients were final at that
-moment; and when its handle was first waited on), the gradients and weights against torch's DDP,
-the bytes both sent and their step times.
+layout the learner built, every all-reduce the learner's code issued, however it called it (seen
+where every collective reaches PyTorch's dispatcher, ``c10d.allreduce_`` for ``dist.all_reduce`` and
+``_c10d_functional.all_reduce`` for the functional collectives: in which phase, the ``no_sync``
+backward, the synced backward, or after it; asynchronous or not; how many gradients were final at
+that moment; when it was first waited on; and at how many of the log's checks, made as each
+gradient's hooks start and end, it was still in flight), the gradients and weights against torch's
+DDP, the bytes both sent and their step times.
 
 The grader computes its own expectations: the bucket layout from MiniGPT's parameter sizes and the
 cap (a model it builds itself, bucketed here with the rule the exercise states), and torch's DDP as
 the reference of the weights. It checks, in the order in which one mistake would hide the next:
 the replicas start equal (rank 0's weights broadcast), the layout (reverse order, the cap), no
 all-reduce under ``no_sync``, every all-reduce launched from the hooks during backward,
-asynchronously and not waited on before backward has computed every gradient, the first while
-backward still had gradients to compute, one per bucket per step, and the weights equal to torch's
-DDP within ``PARAM_ATOL``. Each failure names the mistake.
+asynchronously and not waited on before backward has computed every gradient (by a wait the log
+sees, or by any other: then every all-reduce had completed before backward went on from its hook),
+the first while backward still had gradients to compute, one per bucket per step, and the weights
+equal to torch's DDP within ``PARAM_ATOL``. Each failure names the mistake.
 
 The verdict carries the RESULT records of the run (``verdict.records``): the notebook puts the
 learner's DDP beside torch's from the same job (``comparison``).
@@ -129,6 +132,22 @@ def _waited_in_backward(call: dict, n_grads: int) -> bool:
     return waited is not None and waited["phase"] == "backward" and waited["ready"] < n_grads
 
 
+def _held_in_backward(found: list[dict], n_grads: int) -> list[dict]:
+    """The all-reduces launched while backward still had gradients to compute, when every one of them
+    had completed before backward went on from where it was launched (the log saw none in flight);
+    else [].
+
+    That is a hook that waits for its all-reduce, whatever it waits through (``work.wait()``, a
+    future's ``wait``, ``torch.futures.wait_all``, ``wait_tensor``, a loop on ``is_completed``). An
+    all-reduce left running is still in flight at the log's next check, microseconds after its launch,
+    on the rank that reached it first (it cannot finish before the other rank has sent); the rank that
+    came second may find it done already, so a few complete that soon prove nothing, and only all of
+    them, on every rank and step, count as waited for.
+    """
+    launched = [c for r in found for s in r["steps"] for c in s["calls"] if c["phase"] == "backward" and c["ready"] < n_grads]
+    return launched if launched and all(c["in_flight"] == 0 for c in launched) else []
+
+
 def _calls_problem(found: list[dict], n_buckets: int, model_bytes: int) -> str | None:
     """What is wrong with the all-reduces the learner's code issued, or None."""
     r = found[0]
@@ -160,6 +179,16 @@ def _calls_problem(found: list[dict], n_buckets: int, model_bytes: int) -> str |
                 "backward stops at every bucket until it has crossed the network, and nothing overlaps -- a "
                 "synchronous all-reduce in all but name. Keep the handle in bucket.work and wait on it in "
                 "finish_reduction, which runs once backward has returned (as finish_gradient_sync).")
+    held = _held_in_backward(found, n_grads)
+    if held:
+        return (f"all {len(held)} all-reduces launched while backward still had gradients to compute (over the "
+                f"{len(found)} ranks and {len(steps)} steps) had completed before backward went on from the hook that "
+                "launched them: the hook waits for each one (a wait on the handle or on its future, "
+                "torch.futures.wait_all, wait_tensor or an in-place functional all-reduce all do), so backward "
+                "stops at every bucket until it has crossed the network, and nothing overlaps -- a synchronous "
+                "all-reduce in all but name. Launch it and return: keep the handle (or the functional all-reduce's "
+                "result) in the bucket and wait on it in finish_reduction, which runs once backward has returned "
+                "(as finish_gradient_sync).")
     counts = [len(s["calls"]) for s in steps]
     if any(c != n_buckets for c in counts):
         return (f"you built {n_buckets} buckets but your code issued {counts} all-reduces in the synced backward "

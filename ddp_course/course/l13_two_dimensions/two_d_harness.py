@@ -21,6 +21,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ddp_course.course.l05_inside_ddp.ddp_common import collective_kind
 from ddp_course.course.l09_fsdp import memory
 from ddp_course.dist import log
 from ddp_course.parallel import _tensor_parallel as tp_plan
@@ -32,8 +33,6 @@ from ddp_course.parallel import _tensor_parallel as tp_plan
 # gradients that AdamW moves far more than SGD would (lesson 04, section 6): ~5e-5 of the distance
 # the weights moved, under 1e-3.
 LOSS_RTOL, GRAD_RTOL, UPDATE_RTOL = 1e-6, 1e-5, 1e-3
-KINDS = {"all_gather": "all_gather", "allgather": "all_gather", "reduce_scatter": "reduce_scatter",
-         "all_reduce": "all_reduce", "allreduce": "all_reduce", "broadcast": "broadcast", "all_to_all": "all_to_all"}
 
 
 class CollectiveCounter(TorchDispatchMode):
@@ -57,12 +56,10 @@ class CollectiveCounter(TorchDispatchMode):
         return "other"
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.namespace in ("c10d", "_c10d_functional", "c10d_functional"):
-            base = func._schema.name.split("::")[-1].lstrip("_")
-            kind = next((k for key, k in KINDS.items() if base.startswith(key)), None)
-            if kind is not None:
-                key = f"{self._dim(tuple(args) + tuple((kwargs or {}).values()))}:{kind}"
-                self.counts[key] = self.counts.get(key, 0) + 1
+        kind = collective_kind(func)
+        if kind is not None:
+            key = f"{self._dim(tuple(args) + tuple((kwargs or {}).values()))}:{kind}"
+            self.counts[key] = self.counts.get(key, 0) + 1
         return func(*args, **(kwargs or {}))
 
 
