@@ -170,7 +170,7 @@ def main() -> None:
         slack = (n - 1) / n * 8 * max(p.numel() for p in params) + 4 * len(params)
         balanced = abs(mine - full / n) <= slack
         ok = (diff <= TOLERANCE and across == 0 and all(c == 1 for c in counts) and balanced and grad_rel <= GRAD_RTOL)
-        log(f"steps {len(stepped)} of {len(params)} parameters; AdamW state {mine:,} of {full:,} bytes "
+        log(f"optimizer holds {len(stepped)} of {len(params)} parameters; AdamW state {mine:,} of {full:,} bytes "
             f"({mine / full:.1%}); step-0 gradient vs DDP {grad_rel:.1e}; max |param - DDP| after {STEPS} steps "
             f"{diff:.2e}; ranks differ by {across:.1e} -> {'PASS' if ok else 'FAIL'}", all_ranks=True)
         sys.stdout.write("RESULT " + json.dumps({

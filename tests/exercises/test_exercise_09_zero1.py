@@ -123,6 +123,28 @@ def test_diagnosis_names_the_other_mistakes_without_a_job(solution):
     assert "from the rank that stepped it" in grader.diagnose(stale, **refs).message
 
 
+def test_an_optimizer_over_every_parameter_is_named_by_the_state_it_kept(solution):
+    """An optimizer over all the parameters that steps only the owned ones (average_gradients sets the
+    others' .grad to None, and an optimizer skips those) keeps only its share of AdamW's state: the
+    verdict says so, with its numbers, and what is wrong -- not that each rank keeps the full state."""
+    _, records, refs, _ = solution
+    r0, r1 = sorted(records, key=lambda r: r["rank"])
+    everything = list(r0["param_norms"])
+    held = _rows(records, r0={"stepped": everything}, r1={"stepped": everything})  # state and gradients: the solution's
+    v = grader.diagnose(held, **refs)
+    share = r0["ddp_optimizer_bytes"] / 2
+    assert not v.ok
+    for phrase in ("holds all 28 parameters", f"{r0['optimizer_bytes']:,} bytes of AdamW state on rank 0",
+                   f"{r0['optimizer_bytes'] / share:.1f}x its 1/2 share", "sharded all the same",
+                   f"only {len(r0['grad_norms'])} of them had a gradient", "shards[rank]"):
+        assert phrase in v.message, v.message
+    assert "full AdamW state" not in v.message, v.message
+    # the same optimizer given every gradient steps every parameter: the full state, said as such
+    full = {"optimizer_bytes": r0["ddp_optimizer_bytes"], "stepped": everything}
+    v = grader.diagnose(_rows(records, r0=full, r1=full), **refs)
+    assert not v.ok and "full AdamW state" in v.message and "2.0x its 1/2 share" in v.message, v.message
+
+
 def _contiguous(sizes: list[int], world_size: int) -> list[list[int]]:
     """Runs of consecutive parameters, cut where the running size crosses each 1/N of the total."""
     total, start, shards = sum(sizes), 0, [[] for _ in range(world_size)]

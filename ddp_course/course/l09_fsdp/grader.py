@@ -1,12 +1,17 @@
 """Grader of exercise 09 (``lessons/exercises/09_fsdp.py``): MiniGPT sharded with ``fully_shard``.
 
 Runs the script with torchrun on 2 processes. Every rank reports how the model was sharded (which
-modules are FSDP units, which parameters stayed plain tensors), the parameter bytes it holds, and,
+modules are FSDP units, which parameters stayed plain tensors), the parameter bytes it holds, what
+the first forward did (its all-gathers, and the most parameter bytes it held whole at once), and,
 after a few AdamW steps side by side with a DDP copy, the largest parameter difference from DDP and
 the norm of every (gathered) parameter. The grader checks
 
 - the units: every transformer block and the root are FSDP modules (``fully_shard`` per block, then
   the root), and no parameter is left a plain tensor;
+- what the units do: the first forward gathers one block at a time, as one unit per block does (one
+  all-gather per block plus the root's; at most the root's and one block's parameters whole at once,
+  ``forward_budget``) -- blocks given to ``fully_shard`` together in one list are FSDP modules too,
+  but one unit, gathered all at once;
 - the memory: each rank holds the total parameter bytes / 2, within 5 % (uneven rows and padding);
 - the training: equal to DDP within the script's tolerance, and every parameter's norm equal to
   that of a reference the grader trains itself, in this process, on the global batch;
@@ -64,7 +69,51 @@ def reference_norms(constants: dict, world_size: int = NPROC) -> dict[str, float
     return {n: p.detach().norm().item() for n, p in model.named_parameters()}
 
 
-def diagnose(found: list[dict], reference: dict[str, float], lr: float) -> Verdict:
+def forward_budget(constants: dict) -> dict[str, int]:
+    """What one FSDP unit per block, then the root, does in a forward of the exercise's model: one
+    all-gather per unit, and at most the root's parameters and one block's whole at once (bytes)."""
+    from ddp_course.course.tiny import tiny_model
+
+    def size(module) -> int:
+        return sum(p.numel() * p.element_size() for p in module.parameters())
+
+    model = tiny_model(constants["SEED"], **constants["SHAPE"])
+    blocks = [size(b) for b in model.blocks]
+    root = size(model) - sum(blocks)  # the embeddings (tied with the head) and the final LayerNorm
+    return {"all_gathers": len(blocks) + 1, "peak_gathered_bytes": root + max(blocks), "root_bytes": root,
+            "block_bytes": max(blocks), "n_blocks": len(blocks)}
+
+
+def _forward_problem(ranks: dict[int, dict], budget: dict[str, int]) -> str | None:
+    """What the first forward's all-gathers and peak say against ``budget`` (``forward_budget``), or None.
+    More all-gathers than one per unit with no more held at once (units smaller than a block) is fine."""
+    if any("forward" not in r for r in ranks.values()):
+        return None
+    rank, r = max(ranks.items(), key=lambda kv: kv[1]["forward"]["peak_gathered_bytes"])
+    got, peak = r["forward"]["all_gathers"], r["forward"]["peak_gathered_bytes"]
+    want, limit = budget["all_gathers"], budget["peak_gathered_bytes"]
+    if peak <= limit:
+        return None
+    at_once = max(1, round((peak - budget["root_bytes"]) / budget["block_bytes"]))
+    which = (f"all {budget['n_blocks']} blocks are" if at_once >= budget["n_blocks"] else f"{at_once} blocks are")
+    measured = (f"one forward issued {got} all-gathers instead of {want} (one per block, plus the root's), and rank "
+                f"{rank} held up to {peak:,} parameter bytes whole at once instead of {limit:,} (the root's and one "
+                "block's)")
+    if got < want:
+        return (f"every block and the root are FSDP modules, but {which} gathered at once: {measured}. Blocks given "
+                "to fully_shard together (fully_shard(list(model.blocks), ...) or any list of several blocks) "
+                "become one unit with one all-gather, so each rank's peak holds all of them -- the memory FSDP "
+                "exists to save. Call fully_shard(block, mesh=mesh) on each block by itself, in a loop, then "
+                "fully_shard(model, mesh=mesh).")
+    return (f"every block is an FSDP unit of its own, but {which} held whole at once: {measured}. The blocks stay "
+            "gathered after their forward (was reshard_after_forward=False passed to fully_shard?), so by the last "
+            "block every block is whole. Shard each block with fully_shard's defaults, which free a block's "
+            "gathered parameters as soon as its forward ends.")
+
+
+def diagnose(found: list[dict], reference: dict[str, float], lr: float, budget: dict[str, int] | None = None) -> Verdict:
+    """The verdict on the script's RESULT rows: ``reference`` from ``reference_norms``, ``budget`` from
+    ``forward_budget`` (None: the first forward is not judged)."""
     ranks = {r["rank"]: r for r in found}
     if sorted(ranks) != list(range(NPROC)):
         return Verdict(False, f"only ranks {sorted(ranks)} reported; every rank must finish.")
@@ -90,6 +139,9 @@ def diagnose(found: list[dict], reference: dict[str, float], lr: float) -> Verdi
                               "FSDP exists to save. Call fully_shard(block, mesh=mesh) on each block before the root.")
     if not units["root"]:
         return Verdict(False, "the model returned is not an FSDP module: return the model after fully_shard(model, ...).")
+    problem = _forward_problem(ranks, budget) if budget is not None else None
+    if problem:
+        return Verdict(False, problem)
     for rank, r in sorted(ranks.items()):
         share = r["total_bytes"] / NPROC
         if abs(r["local_bytes"] - share) > BALANCE_TOL * share:
@@ -105,7 +157,11 @@ def diagnose(found: list[dict], reference: dict[str, float], lr: float) -> Verdi
     if bad:
         return Verdict(False, f"the parameters {bad[:4]} after training differ from the grader's own reference (one process "
                               "on the global batch). Shard the model as it is, without changing it.")
-    return Verdict(True, f"every block and the root are FSDP units; each rank holds {r0['local_bytes']:,} of "
+    forward = r0.get("forward")
+    gathers = (f"one forward issued {forward['all_gathers']} all-gathers and held at most "
+               f"{forward['peak_gathered_bytes']:,} parameter bytes whole at once (one block at a time); "
+               if forward and budget is not None else "")
+    return Verdict(True, f"every block and the root are FSDP units; {gathers}each rank holds {r0['local_bytes']:,} of "
                          f"{r0['total_bytes']:,} parameter bytes; after training, the parameters equal DDP's (max "
                          f"difference {worst:.1e}) and the grader's one-process reference.")
 
@@ -121,5 +177,5 @@ def grade(path: str | Path, timeout: float = 180) -> Verdict:
     if isinstance(found, Verdict):
         return found
     constants = harness_constants(path)
-    verdict = diagnose(found, reference_norms(constants), constants["LR"])
+    verdict = diagnose(found, reference_norms(constants), constants["LR"], forward_budget(constants))
     return GradedRun(verdict.ok, verdict.message, found)  # what the job measured, kept with the verdict

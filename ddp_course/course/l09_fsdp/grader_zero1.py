@@ -83,17 +83,46 @@ def _names(items: list[str], k: int = 4) -> str:
     return ", ".join(items[:k]) + (f" (and {len(items) - k} more)" if len(items) > k else "")
 
 
-def _partition_problem(ranks: dict[int, dict], names: list[str]) -> str | None:
+def _everything_held(ranks: dict[int, dict], names: list[str], slack: float) -> str:
+    """What an optimizer that holds every parameter on every rank did, said by the AdamW state it kept.
+
+    AdamW creates a parameter's state at its first step with a gradient, and skips a parameter whose
+    ``.grad`` is None: an optimizer over all parameters keeps the full state when every gradient is
+    there, and only its share when the gradients of the parameters it does not own were set to None.
+    """
+    r0 = ranks[0]
+    full = r0["ddp_optimizer_bytes"]
+    share = full / NPROC
+    mine = r0["optimizer_bytes"]
+    held = (f"every rank's optimizer holds all {len(names)} parameters (its param_groups), not only the "
+            "parameters of its shard")
+    said = f"{mine:,} bytes of AdamW state on rank 0, {mine / share:.1f}x its 1/{NPROC} share"
+    fix = "In shard_optimizer, give the optimizer only the parameters of shards[rank]."
+    if all(row["optimizer_bytes"] >= full - slack for row in ranks.values()):
+        return (f"every rank's optimizer steps all {len(names)} parameters: each rank keeps the full AdamW state "
+                f"({said}), which is DDP, not ZeRO-1. {fix}")
+    if all(abs(row["optimizer_bytes"] - share) <= slack for row in ranks.values()):
+        with_grad = len(r0["grad_norms"])
+        when = (f": at its first step only {with_grad} of them had a gradient on rank 0"
+                if 0 < with_grad < len(names) else "")
+        return (f"{held}. Its AdamW state is sharded all the same ({said}) because an optimizer skips a parameter "
+                f"whose .grad is None{when}. So the sharding rests on average_gradients clearing the gradients a "
+                "rank does not own, which its contract does not ask for (the other ranks' copies \"may hold "
+                "anything afterwards\"): this optimizer steps every parameter that carries a gradient, and its "
+                f"param_groups and state_dict() list all {len(names)} parameters on every rank. {fix}")
+    each = ", ".join(f"rank {r}: {row['optimizer_bytes']:,}" for r, row in sorted(ranks.items()))
+    return (f"{held}, and the ranks keep {each} bytes of AdamW state where 1/{NPROC} of AdamW's is {share:,.0f}: "
+            f"an optimizer steps every parameter it holds that has a gradient, owned or not. {fix}")
+
+
+def _partition_problem(ranks: dict[int, dict], names: list[str], slack: float) -> str | None:
     stepped = {r: row["stepped"] for r, row in ranks.items()}
     if any(None in s for s in stepped.values()):
         return ("the optimizer holds tensors that are not the model's parameters (copies?): AdamW must hold the "
                 "model's own parameters, params[i] for the i in this rank's shard, so that its step changes the model.")
     counts = {n: sum(n in s for s in stepped.values()) for n in names}
     if all(c == NPROC for c in counts.values()):
-        mine = ranks[0]["optimizer_bytes"]
-        return (f"every rank's optimizer steps all {len(names)} parameters: each rank keeps the full AdamW state "
-                f"({mine:,} bytes on rank 0, {mine / (ranks[0]['ddp_optimizer_bytes'] / NPROC):.1f}x its 1/{NPROC} share), "
-                "which is DDP, not ZeRO-1. In shard_optimizer, give AdamW only the parameters of shards[rank].")
+        return _everything_held(ranks, names, slack)
     twice = [n for n, c in counts.items() if c > 1]
     if twice:
         return (f"parameter(s) {_names(twice)} are stepped on {max(counts.values())} ranks: the shards overlap, so "
@@ -169,7 +198,7 @@ def diagnose(found: list[dict], reference: dict, norms: dict[str, float], unshar
         return Verdict(False, f"only ranks {sorted(ranks)} reported; every rank must finish.")
     r0 = ranks[0]
     names = list(r0["param_norms"])
-    problem = _partition_problem(ranks, names)
+    problem = _partition_problem(ranks, names, slack)
     if problem:
         return Verdict(False, problem)
     share = unsharded / NPROC
