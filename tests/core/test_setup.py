@@ -83,7 +83,8 @@ def test_the_floor_make_checks_is_pyprojects():
 
 def test_jupyterlab_runs_with_the_venv_on_its_path():
     """A terminal opened in JupyterLab inherits the server's environment: the venv's bin comes first."""
-    r = run_command(["make", "--no-print-directory", "-n", "lab"], timeout=30)
+    # VENV named here: under `make test-torch` the suite's own make passes another VENV down (MAKEFLAGS)
+    r = run_command(["make", "--no-print-directory", "-n", "lab", "VENV=.venv"], timeout=30)
     line = next(line for line in r.stdout.splitlines() if line.startswith("PATH="))
     assert line.startswith(f'PATH="{ROOT / ".venv"}/bin:$PATH"') and "VIRTUAL_ENV=" in line
 
