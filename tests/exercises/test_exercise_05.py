@@ -86,19 +86,10 @@ MISTAKES = {
         ("2.00 times torch's", "divided by the world size")),
     "no_sync ignored": ({"no_sync": "    yield\n"}, ("during the backward under no_sync()", "stop all communication")),
     "no initial broadcast": ({"broadcast_parameters": "    pass\n"}, ("rank(s) [1]", "dist.broadcast from rank 0")),
-    # launched asynchronously from the hook, then waited on right there: backward stops at every
-    # bucket until it has crossed the network, so nothing overlaps (a synchronous all-reduce, spelled async)
-    "waited on in the hook": ({
-        "on_grad_ready": "    if not ddp.require_sync:\n"
-                         "        return\n"
-                         "    bucket.ready += 1\n"
-                         "    if bucket.ready == len(bucket.params):\n"
-                         "        bucket.flat = torch.cat([p.grad.reshape(-1) for p in bucket.params])\n"
-                         "        bucket.work = dist.all_reduce(bucket.flat, async_op=True)\n"
-                         "        bucket.work.wait()\n"},
-        ("waited on inside backward", "in the hook", "finish_reduction")),
-    # the same, waited on through a future the log never handed out (torch.futures.wait_all collects
-    # the work's future into a new one): judged by completion, every all-reduce done before backward went on
+    # Launched asynchronously from the hook, then waited on right there through the handle: judged from
+    # the solution's records (test_layout_and_blocking_mistakes_are_named_from_the_records). Here, the
+    # same waited on through a future the log never handed out (torch.futures.wait_all collects the
+    # work's future into a new one): judged by completion, every all-reduce done before backward went on
     "waited on in the hook through torch.futures.wait_all": ({
         "on_grad_ready": "    if not ddp.require_sync:\n"
                          "        return\n"

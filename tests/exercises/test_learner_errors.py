@@ -63,6 +63,9 @@ ONE_RANK_ONLY = 'if __import__("os").environ.get("RANK") == "0": dist.all_reduce
 # The hang attempts' collectives wait this long for rank 1 (the graders allow 20 s; the ranks of a job
 # reach their first collective within a few seconds of each other, even with six jobs side by side)
 COLLECTIVE_S = 15
+# ... and the grader stops a job none of whose processes works for this long (it allows 30 s): later
+# than the collective timeout, so that a "hang" is answered by the timeout
+STALL_S = 22
 # exercise 04's learner joins the process group with a timeout of their own: the hang attempt sets it
 OWN_TIMEOUT = ("timedelta(seconds=60)", f"timedelta(seconds={COLLECTIVE_S})")
 
@@ -75,8 +78,8 @@ def graded(tmp_path_factory) -> dict:
 
     In a "hang" the process group's own timeout fires (``COLLECTIVE_S``, set the way a grader sets
     its own); in the "stall" (exercise 04 as answered, whose process group waits 60 s) no timeout
-    fires first, and the grader stops the job when no process has used the CPU for ``IDLE_S``. A
-    hanging job spends its time waiting, so the hangs are graded six at a time in the background
+    fires first, and the grader stops the job when no process has used the CPU for ``STALL_S``. A
+    hanging job spends its time waiting, so the hangs are graded all at once in the background
     while the NameError attempts are graded two at a time beside them.
     """
     import time
@@ -94,10 +97,11 @@ def graded(tmp_path_factory) -> dict:
     path04 = hangs["hang", "04_ddp_convert"][0]
     hangs["stall", "04_ddp_convert"] = attempt(tmp / "stall", "04_ddp_convert", HANG_LINE)
     path04.write_text(path04.read_text(encoding="utf-8").replace(*OWN_TIMEOUT), encoding="utf-8")
-    saved = os.environ.get(COLLECTIVE_TIMEOUT_VAR)
+    saved, idle_s = os.environ.get(COLLECTIVE_TIMEOUT_VAR), check.verdicts.IDLE_S
     os.environ[COLLECTIVE_TIMEOUT_VAR] = str(COLLECTIVE_S)
+    check.verdicts.IDLE_S = STALL_S
     try:
-        with ThreadPoolExecutor(max_workers=6) as background:
+        with ThreadPoolExecutor(max_workers=len(hangs)) as background:
             waiting = {key: background.submit(timed, key[1], path) for key, (path, _) in hangs.items()}
             errors = {("name error", name): attempt(tmp / "name_error", name, NAME_ERROR) for name in EXERCISES}
             errors["import", "06_no_sync"] = attempt(tmp / "import", "06_no_sync", IMPORT_ERROR, top=True)
@@ -106,6 +110,7 @@ def graded(tmp_path_factory) -> dict:
             found = {key: (errors[key], verdicts[key], None) for key in errors}
             found.update({key: (hangs[key], *future.result()) for key, future in waiting.items()})
     finally:
+        check.verdicts.IDLE_S = idle_s
         if saved is None:
             os.environ.pop(COLLECTIVE_TIMEOUT_VAR, None)
         else:
@@ -180,7 +185,7 @@ def test_a_rank_that_never_arrives_with_no_timeout_near_is_stopped_when_no_proce
     (path, n), verdict, seconds = graded[key]
     msg = verdict.message
     print(f"{key[1]} stalled: answered in {seconds:.0f} s")
-    assert not verdict.ok and f"no process used the CPU for {check.verdicts.IDLE_S:.0f}s" in msg, msg
+    assert not verdict.ok and f"no process used the CPU for {STALL_S}s" in msg, msg
     rank0, rank1 = msg.split("rank 0 was at")[1].split("rank 1 was at")
     assert frame(path, n) in rank1, f"rank 1's stuck line {n} is not shown:\n{msg}"
     assert re.search(r"\(waiting inside torch\.distributed\.distributed_c10d\.\w+\)", rank0), msg

@@ -3,8 +3,8 @@
 - :class:`BucketRecorder`: a DDP communication hook that records every bucket DDP hands it (index,
   parameter names, size) before passing it on to the real hook -- so it counts all-reduces per step.
 - :func:`collective_kind`: which collective a dispatched operator issues, however it was called
-  (``c10d``'s operators or the functional collectives'); lesson 13's counter and exercise 05's log
-  recognise collectives with it too.
+  (``c10d``'s operators or the functional collectives'); exercise 05's log uses it too, and so does
+  the 2-D lab's counter (``l13_two_dimensions.two_d_harness``).
 - :class:`CollectiveCounter`: sees every collective issued inside its ``with`` block -- DDP's own
   all-reduces included -- with its dtype and bytes: the traffic, measured.
 - :func:`ring_bytes_sent`: what one rank sends over the network for a collective of a given payload.
