@@ -48,6 +48,8 @@ TOPICS: dict[str, tuple[str, ...]] = {
     "12": ("debugging lab", "broken program", "classic DDP bug"),
     "13": ("two dimensions", "2-D mesh", "2-D plan", "sequence parallelism", "sequence parallel", "fsdp_tp",
            "loss_parallel", "vocabulary-sharded", "FSDP x tensor parallel"),
+    "14": ("ring attention", "context parallelism", "zig-zag", "zigzag", "mixture of experts", "expert parallelism",
+           "experts", "load-balancing loss", "all_to_all"),
 }
 WINDOW = 60  # characters each side: a few words, about one clause of a sentence
 

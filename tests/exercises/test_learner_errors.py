@@ -15,7 +15,7 @@ import re
 from pathlib import Path
 
 import pytest
-from harness import grade_in_pairs, make_lessons
+from harness import exercise_attempt, grade_in_pairs, make_lessons
 
 from ddp_course import check, postmortem
 from ddp_course.check import exercises
@@ -66,6 +66,9 @@ COLLECTIVE_S = 15
 # ... and the grader stops a job none of whose processes works for this long (it allows 30 s): later
 # than the collective timeout, so that a "hang" is answered by the timeout
 STALL_S = 22
+# exercise 14's ring step with the blocking calls, every rank sending first (lesson 14, section 7)
+SEND_FIRST = ("    received = torch.empty_like(t)\n    dist.send(t.contiguous(), send_to)\n"
+              "    dist.recv(received, recv_from)\n    return received\n")
 # exercise 04's learner joins the process group with a timeout of their own: the hang attempt sets it
 OWN_TIMEOUT = ("timedelta(seconds=60)", f"timedelta(seconds={COLLECTIVE_S})")
 
@@ -96,6 +99,8 @@ def graded(tmp_path_factory) -> dict:
     hangs = {("hang", name): attempt(tmp / "hang", name, HANG_LINE) for name in EXERCISES}
     path04 = hangs["hang", "04_ddp_convert"][0]
     hangs["stall", "04_ddp_convert"] = attempt(tmp / "stall", "04_ddp_convert", HANG_LINE)
+    hangs["send first", "14_ring_attention"] = (exercise_attempt(tmp / "send_first", "14_ring_attention.py",
+                                                                 "pass_on", SEND_FIRST), 0)
     path04.write_text(path04.read_text(encoding="utf-8").replace(*OWN_TIMEOUT), encoding="utf-8")
     saved, idle_s = os.environ.get(COLLECTIVE_TIMEOUT_VAR), check.verdicts.IDLE_S
     os.environ[COLLECTIVE_TIMEOUT_VAR] = str(COLLECTIVE_S)
@@ -126,7 +131,7 @@ def test_a_name_error_on_one_rank_names_the_learners_line_in_every_exercise(grad
         assert "rank 1 raised NameError: name 'undefined_answer_name' is not defined" in msg, f"{name}:\n{msg}"
         assert frame(path, n) in msg and NAME_ERROR in msg, f"{name}: the learner's line {n} is not shown:\n{msg}"
         # what became of the other ranks: on 2 ranks "rank 0 ...", on 4 "ranks 0, 2 and 3 were stopped ..."
-        assert re.search(r"rank 0 then lost its peer|rank 0 was stopped|ranks 0(, \d)* and \d were stopped", msg), \
+        assert re.search(r"rank 0 then lost its peer|ranks 0(, \d)* and \d then lost their peer|rank 0 was stopped|ranks 0(, \d)* and \d were stopped", msg), \
             f"{name}:\n{msg}"
         no_launcher(msg)
 
@@ -190,6 +195,19 @@ def test_a_rank_that_never_arrives_with_no_timeout_near_is_stopped_when_no_proce
     assert frame(path, n) in rank1, f"rank 1's stuck line {n} is not shown:\n{msg}"
     assert re.search(r"\(waiting inside torch\.distributed\.distributed_c10d\.\w+\)", rank0), msg
     assert f'File "{show(path)}", line' in rank0, msg
+    no_launcher(msg)
+    assert not _no_process_left(path)
+
+
+def test_a_ring_step_in_which_every_rank_sends_first_is_named(graded):
+    """Exercise 14 with the blocking send before the receive on every rank: no rank gets past its send;
+    the verdict shows each rank's send in the learner's file and names the cause."""
+    (path, _), verdict, seconds = graded["send first", "14_ring_attention"]
+    msg = verdict.message
+    print(f"14_ring_attention, every rank sending first: answered in {seconds:.0f} s")
+    assert not verdict.ok and "for send operation" in msg and "every rank sent before it received" in msg, msg
+    assert re.search(r"ranks 0, 1, 2 and 3 raised", msg), msg
+    assert f'File "{show(path)}", line' in msg and "dist.send(t.contiguous(), send_to)" in msg, msg
     no_launcher(msg)
     assert not _no_process_left(path)
 

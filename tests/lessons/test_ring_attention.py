@@ -1,0 +1,87 @@
+"""Lesson 14, part 1 (ring attention): the ring lab against one process at rings of 2 and 4 ranks, the
+work, bytes and memory it measured against the formulas, MiniGPT trained on the ring; and, in one
+process, the layouts and the formulas themselves.
+
+The job is the notebook's: under ``make test`` the fixture reads the notebook's run of it
+(``notebook_runs.reuse``) instead of launching it again.
+"""
+
+from __future__ import annotations
+
+import json
+
+import notebook_runs
+import pytest
+import torch
+
+from ddp_course.course.l14_sequences_and_experts import ring as R
+from ddp_course.launch import run
+
+LAB = "ddp_course.course.l14_sequences_and_experts.ring_lab"
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory):
+    job = notebook_runs.reuse("runs/14_ring", LAB, 4)
+    if job is None:
+        job = run(LAB, nproc=4, out_dir=tmp_path_factory.mktemp("ring_lab"), timeout=300, progress=False, echo="none")
+    return json.loads((job.out_dir / "ring_lab.json").read_text())
+
+
+def test_layouts_cover_the_sequence_once():
+    for world in (2, 4):
+        for kind in R.LAYOUTS:
+            chunks = sorted(c for r in range(world) for c in R.layout(kind, world)[r])
+            assert chunks == list(range(R.n_chunks(kind, world)))
+            x = torch.arange(8 * world).view(1, -1, 1)
+            assert torch.equal(R.unshard([R.shard(x, kind, world, r) for r in range(world)], kind), x)
+    assert R.layout("zigzag", 4) == [[0, 7], [1, 6], [2, 5], [3, 4]]
+    assert R.positions("zigzag", 2, 0, 8).tolist() == [0, 1, 6, 7]
+
+
+def test_the_work_formula_balances_only_the_zigzag():
+    plain = [w["blocks"] for w in R.predicted_work("plain", 4, 64)]
+    zigzag = [w["blocks"] for w in R.predicted_work("zigzag", 4, 64)]
+    assert plain == [1, 2, 3, 4] and zigzag == [9, 9, 9, 9]  # 2p + 1 half-size blocks on every rank
+    # the same causal work in all: p(p+1)/2 blocks of (S/p)^2 against 2p(2p+1)/2 blocks of (S/2p)^2
+    assert sum(w["score_elements"] for w in R.predicted_work("plain", 4, 64)) == 10 * 16 * 16
+    assert sum(w["score_elements"] for w in R.predicted_work("zigzag", 4, 64)) == 36 * 8 * 8
+
+
+@pytest.mark.timeout(420)
+def test_ring_attention_equals_one_process_at_2_and_4_ranks(lab):
+    assert set(lab["parity"]) == {f"{n}/{k}/{d}" for n in (2, 4) for k in R.LAYOUTS for d in ("float32", "float64")}
+    for key, errs in lab["parity"].items():
+        bound = lab["parity_rtol"] if key.endswith("float32") else 1e-13  # float64: ~1e-15 measured
+        assert set(errs) == {"out", "dq", "dk", "dv"} and max(errs.values()) <= bound, (key, errs)
+
+
+@pytest.mark.timeout(420)
+def test_work_and_bytes_per_rank_are_the_formulas(lab):
+    seq, n = lab["options"]["seq"], lab["world_size"]
+    for kind, measured in lab["layouts"].items():
+        predicted = R.predicted_work(kind, n, seq)
+        for rank, (m, p) in enumerate(zip(measured["per_rank"], predicted)):
+            assert (m["blocks"], m["score_elements"]) == (p["blocks"], p["score_elements"]), (kind, rank)
+            assert m["bytes_sent"] == m["predicted_bytes"], (kind, rank)
+    cpu = {k: [r["compute_s"] for r in v["per_rank"]] for k, v in lab["layouts"].items()}
+    # the plain split's last rank computes 4 blocks to the first rank's 1: it works longest
+    assert cpu["plain"][-1] == max(cpu["plain"]) and cpu["plain"][-1] > 1.5 * cpu["plain"][0], cpu
+
+
+@pytest.mark.timeout(420)
+def test_no_rank_holds_the_score_matrix(lab):
+    mem = lab["one_process_memory"]
+    assert mem["written_out"] >= mem["score_matrix_bytes"]  # one process writing the scores out holds them all
+    for kind, measured in lab["layouts"].items():
+        for m in measured["per_rank"]:
+            assert m["peak_bytes"] < mem["score_matrix_bytes"] / 2, (kind, m["peak_bytes"])
+
+
+@pytest.mark.timeout(420)
+def test_minigpt_on_the_ring_trains_like_one_process(lab):
+    f64, f32 = lab["training"]["float64"], lab["training"]["float32"]
+    assert len(f64["loss_rel_diff"]) == lab["options"]["steps"] >= 200
+    assert max(f64["loss_rel_diff"]) <= 1e-11  # rounding of float64 only (1.1e-13 measured)
+    assert f32["loss_rel_diff"][0] <= lab["parity_rtol"]  # the same weights: the first loss is one forward's rounding
+    assert f32["reference_losses"][-1] < f32["reference_losses"][0] - 1.0  # it learns
