@@ -279,3 +279,43 @@ def test_the_cpu_pin_scan_sees_a_missing_reason():
     assert cpu_pins_without_a_reason('with setup(device="cpu", timeout_s=3) as info:\n    pass') == [1]
     assert not cpu_pins_without_a_reason('with setup(device="cpu", because="gloo timeouts") as info:\n    pass')
     assert not cpu_pins_without_a_reason('with setup(device=opts["device"]) as info:\n    pass')
+
+
+# --- the recipes of docs/ARCHITECTURE.md ("Where new things go") name files that exist ---------------------
+
+RECIPE_PATH = __import__("re").compile(r"`((?:ddp_course|solutions|lessons|tests|tools|docs)/[^`\s]*?)(?:::\w+)?`")
+
+
+def recipe_paths(text: str) -> list[str]:
+    """The repository paths a recipe names, with ``NN``, ``<topic>`` and ``<name>`` left as they are."""
+    section = text.split("## Where new things go", 1)[1].split("\n## ", 1)[0]
+    return sorted(set(RECIPE_PATH.findall(section)))
+
+
+def _exists(path: str) -> bool:
+    """A concrete path exists; one with a placeholder has at least one instance (``NN`` two digits,
+    ``<x>`` any name), e.g. ``tests/exercises/test_exercise_NN.py`` -> test_exercise_13.py."""
+    import fnmatch
+    import re
+
+    if "NN" not in path and "<" not in path:
+        return (ROOT / path).exists()
+    pattern = re.sub(r"<[^>]+>", "*", path.replace("NN", "[0-9][0-9]"))
+    parts = pattern.split("/")
+    found = [ROOT]
+    for part in parts:
+        found = [c for d in found if d.is_dir() for c in d.iterdir() if fnmatch.fnmatch(c.name, part)]
+    return bool(found)
+
+
+def test_every_file_a_recipe_names_exists():
+    paths = recipe_paths((ROOT / "docs" / "ARCHITECTURE.md").read_text(encoding="utf-8"))
+    assert len(paths) >= 10, paths  # the recipes name their files: the scan must find them
+    missing = [p for p in paths if not _exists(p)]
+    assert not missing, f"docs/ARCHITECTURE.md's recipes name files that do not exist: {missing}"
+
+
+def test_the_recipe_scan_sees_a_wrong_name():
+    text = "## Where new things go\n- put it in `ddp_course/course/lNN_<topic>/grader.py` and `tests/lessons/test_nothing_here.py`\n## Rules"
+    assert recipe_paths(text) == ["ddp_course/course/lNN_<topic>/grader.py", "tests/lessons/test_nothing_here.py"]
+    assert _exists("ddp_course/course/lNN_<topic>/grader.py") and not _exists("tests/lessons/test_nothing_here.py")
