@@ -13,9 +13,10 @@ import sys
 from pathlib import Path
 
 from ddp_course.check.harness_check import answer_functions, check_harness, harness_differences
+from ddp_course.check.progress import inline_exercises as notebook_exercises
+from ddp_course.check.progress import listing
 from ddp_course.check.records import (
     RECORD_KEEP,
-    RECORDS,
     _graded_and_recorded,
     grader_options,
     record_path,
@@ -31,7 +32,7 @@ from ddp_course.check.reference import (
     replace_function_body,
     unfinished,
 )
-from ddp_course.check.registry import Exercise, _key, exercises, graders, listing, notebook_exercises, resolve
+from ddp_course.check.registry import RECORDS, Exercise, _key, exercises, graders, resolve
 from ddp_course.check.verdicts import (
     MARGIN,
     NOT_COMPLETE,

@@ -23,9 +23,9 @@ import json
 from pathlib import Path
 
 from ddp_course.check import rewrite
-from ddp_course.check.records import RECORDS, binds, cell_digest, sha256_file
+from ddp_course.check.records import binds, cell_digest, sha256_file
 from ddp_course.check.reference import unfinished
-from ddp_course.check.registry import ROOT, exercises
+from ddp_course.check.registry import RECORDS, ROOT, exercises
 from ddp_course.check.verdicts import STUB
 
 STATES = ("not started", "not checked", "failing", "passed")
@@ -246,3 +246,24 @@ def main(argv: list[str]) -> int:
         return 2
     print(progress(folder))
     return 0
+
+
+def inline_exercises() -> list[tuple[str, str]]:
+    """(lesson notebook, exercise heading) of every exercise done inside a notebook, each graded by
+    the cell below it (:func:`notebook_exercises` finds them)."""
+    return list(dict.fromkeys((ex.notebook, ex.heading) for ex in notebook_exercises(ROOT / "lessons")))
+
+
+def listing() -> str:
+    """What ``python -m ddp_course check`` prints: every exercise, its lesson, how it is graded."""
+    from ddp_course.course import lesson_folders
+
+    topics = {nn: pkg.rsplit(".", 1)[1][4:] for nn, pkg in lesson_folders().items()}
+    lines = ["Exercise scripts (write the TODOs in lessons/exercises/, then run the command):", ""]
+    for ex in exercises().values():
+        lines.append(f"  {ex.lesson} {topics[ex.lesson]:<22} {ex.name:<22} {ex.command}")
+    inline = inline_exercises()
+    if inline:
+        lines += ["", "Exercises inside the notebooks (the cell below each exercise grades it):", ""]
+        lines += [f"  {nb[:2]} {nb[3:-6]:<22} {heading}" for nb, heading in inline]
+    return "\n".join(lines)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from ddp_course.check.verdicts import RECORDS, GradedRun, Verdict
+from ddp_course.check.registry import RECORDS
+from ddp_course.check.verdicts import GradedRun, Verdict
 
 # --------------------------------------------------------------------------------------------------
 # the record of the verdicts: runs/check/<exercise>.json

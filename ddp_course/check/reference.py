@@ -180,3 +180,21 @@ def looks_like(path: Path, exercise: Exercise) -> Exercise | None:
     scores = {ex.name: similarity(ex) for ex in exercises().values() if ex.name != exercise.name}
     best = max(scores, key=scores.get, default=None)
     return exercises()[best] if best is not None and scores[best] >= SAME and scores[best] > own else None
+
+
+def harness_constants(path: str | Path) -> dict:
+    """The constants an exercise script sets at its top level (SHAPE, STEPS, LR, SEED, ...), read from its
+    syntax tree, not run: what a grader needs to build its reference the way the script builds its model."""
+    import ast
+
+    out = {}
+    for node in ast.parse(Path(path).read_text(encoding="utf-8")).body:
+        if isinstance(node, ast.Assign) and len(node.targets) == 1:
+            target = node.targets[0]
+            names = [e.id for e in target.elts] if isinstance(target, ast.Tuple) else [getattr(target, "id", "")]
+            try:
+                value = ast.literal_eval(node.value)
+            except ValueError:
+                continue
+            out.update(zip(names, value) if len(names) > 1 else {names[0]: value}.items())
+    return out

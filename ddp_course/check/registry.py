@@ -9,6 +9,7 @@ import functools
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository beside the package (lessons/, solutions/)
+RECORDS = Path("runs") / "check"  # the verdicts' records (check.records) and failing runs' tracebacks, per folder
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,26 +87,3 @@ def _key(exercise: Exercise) -> str:
     """The shortest name ``check`` takes for an exercise: its lesson's number when it is the lesson's only one."""
     alone = sum(ex.lesson == exercise.lesson for ex in exercises().values()) == 1
     return exercise.lesson if alone else exercise.name
-
-
-def notebook_exercises() -> list[tuple[str, str]]:
-    """(lesson notebook, exercise heading) of every exercise done inside a notebook, each graded by
-    the cell below it (``ddp_course.check.progress.notebook_exercises`` finds them)."""
-    from ddp_course.check.progress import notebook_exercises as found
-
-    return list(dict.fromkeys((ex.notebook, ex.heading) for ex in found(ROOT / "lessons")))
-
-
-def listing() -> str:
-    """What ``python -m ddp_course check`` prints: every exercise, its lesson, how it is graded."""
-    from ddp_course.course import lesson_folders
-
-    topics = {nn: pkg.rsplit(".", 1)[1][4:] for nn, pkg in lesson_folders().items()}
-    lines = ["Exercise scripts (write the TODOs in lessons/exercises/, then run the command):", ""]
-    for ex in exercises().values():
-        lines.append(f"  {ex.lesson} {topics[ex.lesson]:<22} {ex.name:<22} {ex.command}")
-    inline = notebook_exercises()
-    if inline:
-        lines += ["", "Exercises inside the notebooks (the cell below each exercise grades it):", ""]
-        lines += [f"  {nb[:2]} {nb[3:-6]:<22} {heading}" for nb, heading in inline]
-    return "\n".join(lines)

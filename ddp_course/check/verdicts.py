@@ -8,6 +8,8 @@ import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from ddp_course.check.registry import RECORDS
+
 
 @dataclasses.dataclass
 class Verdict:
@@ -48,7 +50,6 @@ def graded_records(verdict: Verdict, what: str) -> list[dict]:
 # explanations is never forced into one of them.
 MARGIN = 20.0
 
-RECORDS = Path("runs") / "check"  # the verdicts' records (ddp_course.check.records) and failing runs' tracebacks
 
 
 @dataclasses.dataclass(frozen=True)

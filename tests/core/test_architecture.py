@@ -319,3 +319,81 @@ def test_the_recipe_scan_sees_a_wrong_name():
     text = "## Where new things go\n- put it in `ddp_course/course/lNN_<topic>/grader.py` and `tests/lessons/test_nothing_here.py`\n## Rules"
     assert recipe_paths(text) == ["ddp_course/course/lNN_<topic>/grader.py", "tests/lessons/test_nothing_here.py"]
     assert _exists("ddp_course/course/lNN_<topic>/grader.py") and not _exists("tests/lessons/test_nothing_here.py")
+
+
+# --- no import cycle anywhere in the package ---------------------------------------------------------------------
+# Every import counts, inside a function too: ``from ddp_course.x import y`` is an edge to ``x.y`` when that
+# is a module, else to ``x``. (Importing ``a.b`` also runs ``a/__init__``; that implied edge is left out, so
+# that a package's ``__init__`` may gather its parts' public names.)
+
+
+def import_graph(sources: dict[str, tuple[str, bool]]) -> dict[str, set[str]]:
+    """{module: the package modules it imports}, from {module: (source, is a package's __init__)}."""
+    graph: dict[str, set[str]] = {}
+
+    def known(name: str) -> str:
+        while name not in sources and "." in name:
+            name = name.rsplit(".", 1)[0]
+        return name
+
+    for mod, (source, is_pkg) in sources.items():
+        edges = set()
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.Import):
+                edges |= {known(a.name) for a in node.names if a.name.split(".")[0] == "ddp_course"}
+            elif isinstance(node, ast.ImportFrom):
+                parts = mod.split(".") if is_pkg else mod.split(".")[:-1]
+                base = node.module or ""
+                if node.level:
+                    base = ".".join(parts[:len(parts) - node.level + 1] + ([base] if base else []))
+                if base.split(".")[0] == "ddp_course":
+                    edges |= {f"{base}.{a.name}" if f"{base}.{a.name}" in sources else known(base) for a in node.names}
+        graph[mod] = edges - {mod}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The groups of modules that import one another, directly or through others (Tarjan's components)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v] & graph.keys():
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                found.append(sorted(group))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_cycle_anywhere_in_the_package():
+    sources = {module_name(p): (p.read_text(encoding="utf-8"), p.name == "__init__.py") for p in PACKAGE.rglob("*.py")}
+    graph = import_graph(sources)
+    assert len(graph) > 100 and "ddp_course.check.registry" in graph["ddp_course.check.progress"]
+    assert not cycles(graph), f"modules that import one another: {cycles(graph)}"
+
+
+def test_the_cycle_scan_finds_a_cycle_through_a_function_level_import():
+    sources = {"ddp_course.a": ("from ddp_course import b\n", False),
+               "ddp_course.b": ("def f():\n    from ddp_course.c import x\n", False),
+               "ddp_course.c": ("from . import a\nx = 1\n", False),
+               "ddp_course.d": ("import ddp_course.a\n", False)}
+    assert cycles(import_graph(sources)) == [["ddp_course.a", "ddp_course.b", "ddp_course.c"]]

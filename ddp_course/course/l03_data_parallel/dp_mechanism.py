@@ -40,6 +40,7 @@ import torch.nn as nn
 
 from ddp_course.check.records import notebook_exercise
 from ddp_course.course import noise
+from ddp_course.course.tiny import VOCAB
 from ddp_course.parallel.dp import lm_loss
 
 Chunk = torch.Tensor
@@ -399,7 +400,7 @@ class Comparison:
                 f"{'EQUAL within tolerance' if self.ok else 'DIFFERENT'}")
 
 
-def tiny_model_config(vocab_size: int = 65, **changes):
+def tiny_model_config(vocab_size: int = VOCAB, **changes):
     """The small MiniGPT the mechanism cells use (fast on a CPU, every kind of layer present)."""
     from ddp_course.model import GPTConfig
 

@@ -32,6 +32,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from ddp_course.check.records import notebook_exercise
+from ddp_course.course.tiny import VOCAB
 from ddp_course.train import DTYPES, autocast
 
 LOW_PRECISIONS = ("bf16", "fp16")
@@ -472,7 +473,7 @@ def check_amp_step(fn: Callable[..., Any], *, device: torch.device | None = None
 
     def setup():
         torch.manual_seed(0)
-        model = MiniGPT(GPTConfig(vocab_size=65, block_size=16, n_layer=1, n_head=2, n_embd=32)).to(device)
+        model = MiniGPT(GPTConfig(vocab_size=VOCAB, block_size=16, n_layer=1, n_head=2, n_embd=32)).to(device)
         opt = torch.optim.SGD(model.parameters(), lr=lr)
         scaler = torch.amp.GradScaler(device.type, init_scale=2.0 ** 16, growth_interval=2)
         now = {"step": -1, "dtype": None}

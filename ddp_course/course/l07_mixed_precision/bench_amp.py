@@ -44,12 +44,12 @@ import torch.nn as nn
 from ddp_course import bench as harness
 from ddp_course.bench import BenchError, OptionError
 from ddp_course.config import TrainConfig
+from ddp_course.course.tiny import VOCAB  # random token ids: speed does not depend on them
 from ddp_course.metrics import saved_activation_bytes
 from ddp_course.model import GPTConfig, MiniGPT
 from ddp_course.train import DTYPES, autocast, build_optimizer, make_scaler, train_step
 
 NAME = "amp"
-VOCAB = 65  # the course's character vocabulary; the bench feeds random token ids (speed does not depend on them)
 CPU_FLAGS = ("avx2", "f16c", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_fp16")
 MEMORY_TAG = "AMP_BENCH_MEMORY "
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ddp_course.check import GradedRun, Verdict, run_exercise
+from ddp_course.check.reference import harness_constants
 
 EXERCISE = "09_fsdp.py"  # the script this grades: lessons/exercises/09_fsdp.py
 
@@ -31,23 +32,6 @@ NPROC = 2
 BALANCE_TOL = 0.05  # vocabulary rows (65) do not split evenly: a few hundred bytes of ~70 kB
 NORM_RTOL = 1e-5  # one process on the global batch vs 2 ranks averaging: last-bit differences, ~1e-7
 ROOT_PARAMS = ("tok_emb.weight", "pos_emb.weight", "ln_f.weight", "ln_f.bias")
-
-
-def harness_constants(path: str | Path) -> dict:
-    """SHAPE, MICRO_BATCH_SIZE, STEPS, LR, SEED as the script sets them (read, not run)."""
-    import ast
-
-    out = {}
-    for node in ast.parse(Path(path).read_text(encoding="utf-8")).body:
-        if isinstance(node, ast.Assign) and len(node.targets) == 1:
-            target = node.targets[0]
-            names = [e.id for e in target.elts] if isinstance(target, ast.Tuple) else [getattr(target, "id", "")]
-            try:
-                value = ast.literal_eval(node.value)
-            except ValueError:
-                continue
-            out.update(zip(names, value) if len(names) > 1 else {names[0]: value}.items())
-    return out
 
 
 def reference_norms(constants: dict, world_size: int = NPROC) -> dict[str, float]:

@@ -27,7 +27,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from ddp_course.check import GradedRun, Nearest, Verdict, nearest, run_exercise
-from ddp_course.course.l09_fsdp.grader import NORM_RTOL, harness_constants, reference_norms
+from ddp_course.check.reference import harness_constants
+from ddp_course.course.l09_fsdp.grader import NORM_RTOL, reference_norms
 
 EXERCISE = "09_zero1.py"
 NPROC = 2

@@ -50,13 +50,13 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from ddp_course import parallel
 from ddp_course.cli import FlagError, command, parse_flags
 from ddp_course.course.options import require_device
+from ddp_course.course.tiny import VOCAB
 from ddp_course.dist import log, setup
 from ddp_course.metrics import write_json
 from ddp_course.model import GPTConfig, MiniGPT
 from ddp_course.paths import show
 
 PROG = "torchrun --standalone --nproc_per_node=2 -m ddp_course.course.l10_scaling.compile_ddp"
-VOCAB = 65
 DEFAULTS: dict[str, Any] = {
     "out_dir": "runs/compile_ddp",
     "backend": "aot_eager",  # aot_eager (trace, no code generation) | inductor | eager

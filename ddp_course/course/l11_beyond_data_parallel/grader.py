@@ -52,7 +52,7 @@ WHAT_TO_DO = {
 
 def harness_constants(path: str | Path) -> dict:
     """SHAPE, BATCH, STEPS, LR, SEED as the script sets them (read, not run)."""
-    from ddp_course.course.l09_fsdp.grader import harness_constants as read
+    from ddp_course.check.reference import harness_constants as read
 
     return read(path)
 

@@ -266,7 +266,7 @@ def _parity(found: list[dict[str, Any]]) -> str:
 
 def expected(path: str | Path) -> dict[str, dict[str, int]]:
     """The collectives the plan issues per step for the script's model (``layouts.expected_collectives``)."""
-    from ddp_course.course.l09_fsdp.grader import harness_constants
+    from ddp_course.check.reference import harness_constants
     from ddp_course.course.l13_two_dimensions.layouts import expected_collectives
 
     c = harness_constants(path)

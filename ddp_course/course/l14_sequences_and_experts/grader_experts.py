@@ -175,7 +175,7 @@ def references(path: str | Path) -> dict[str, Any]:
     gradient norm of the replicated parameters on each rank."""
     import torch
 
-    from ddp_course.course.l09_fsdp.grader import harness_constants
+    from ddp_course.check.reference import harness_constants
 
     c = harness_constants(path)
     p, n_experts, n_layer = NPROC, c["N_EXPERTS"], c["SHAPE"]["n_layer"]

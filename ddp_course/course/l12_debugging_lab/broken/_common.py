@@ -21,9 +21,10 @@ from typing import Any
 import torch
 
 from ddp_course.cli import parse_flags
+from ddp_course.course import tiny
+from ddp_course.course.tiny import VOCAB
 from ddp_course.metrics import write_json
 
-VOCAB = 65  # the course's character vocabulary; the labs that need tokens use random ids or the corpus
 # Joining the process group waits for every rank to start; on a busy machine starting Python and torch
 # can take many seconds, so the rendezvous gets a generous timeout. The programs that hang on purpose
 # run their collectives in a group of their own with the short ``--timeout_s``.
@@ -106,11 +107,8 @@ def short_group(timeout_s: float):
 
 
 def tiny_model(seed: int = 0, n_embd: int = 32) -> torch.nn.Module:
-    """A small MiniGPT, identical on every rank (same seed)."""
-    from ddp_course.model import GPTConfig, MiniGPT
-
-    torch.manual_seed(seed)
-    return MiniGPT(GPTConfig(vocab_size=VOCAB, block_size=16, n_layer=1, n_head=2, n_embd=n_embd))
+    """The course's tiny MiniGPT (``course.tiny``) at the lab's size, identical on every rank (same seed)."""
+    return tiny.tiny_model(seed, block_size=16, n_layer=1, n_head=2, n_embd=n_embd)
 
 
 def token_batch(index: int, batch: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
