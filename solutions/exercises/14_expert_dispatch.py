@@ -51,7 +51,7 @@ def dispatch(slots: torch.Tensor, counts: torch.Tensor, group=None) -> tuple[tor
     ``counts`` (E,) how many of them go to each expert; rank q holds experts ``q E/p .. (q+1) E/p - 1``.
     Out: ``grouped``, the rows this rank's experts must process, grouped by local expert and, inside a
     group, by source rank (rank 0's rows first) -- the priority order the capacity follows -- and an
-    ``Exchange(send_splits, recv_splits, from_rank, regroup)``: ``from_rank`` (p, E/p) the rows received
+    ``Exchange(send_splits, recv_splits, from_rank, regroup)``: ``from_rank`` a (p, E/p) tensor, the rows received
     from each rank for each local expert (the harness reads it), the rest whatever ``combine`` needs.
     """
     # BEGIN SOLUTION hint: counts first (all_to_all_single), then the rows: uneven splits, with a backward; regroup

@@ -53,7 +53,8 @@ from ddp_course.model import MLP, GPTConfig, MiniGPT
 def capacity(n_tokens: int, top_k: int, n_experts: int, factor: float) -> int:
     """Slots one expert serves per step: ``ceil(factor * n_tokens * top_k / n_experts)``, ``n_tokens`` the
     tokens of the whole global batch. Computed with fractions (``0.75`` read as ``3/4``, from its decimal
-    form), so that ``1.1 * 100 * 2 / 4`` cannot round up past an integer in one process and not another."""
+    form), so that the result is the formula's exact value: in floats ``1.1 * 100 * 2 / 4`` is
+    ``55.00000000000001``, whose ceiling is 56, not 55."""
     return math.ceil(Fraction(str(factor)) * n_tokens * top_k / n_experts)
 
 
@@ -319,7 +320,8 @@ class ExpertParallelMoE(nn.Module):
         The zeros are ``rows * 0``, not fresh zeros: the output must stay a function of ``grouped`` even
         when every row is dropped or none arrived, or autograd would leave this rank's part of the backward
         exchanges out of the graph -- and the other ranks would wait in those all-to-alls forever (a router
-        that sends nothing to a rank's experts is enough)."""
+        that sends nothing to a rank's experts is enough; the lab's training runs reach such steps, and
+        ``tests/lessons/test_experts.py`` runs them)."""
         pieces, start = [grouped[:0] * 0], 0
         for n, mlp in zip(per_expert, self.experts.values()):
             kept = min(n, cap)

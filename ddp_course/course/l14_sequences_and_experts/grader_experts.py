@@ -258,7 +258,9 @@ def rows_problem(found: list[dict[str, Any]], refs: dict[str, Any]) -> str | Non
     want = [n for r in ranks for n in r["reference_received"][0]]
     if got != want:
         return (f"the experts received the wrong numbers of rows: in the first block experts 0..{len(want) - 1} got "
-                f"{got}, the routers sent them {want}. {COUNTS_NOT_EXCHANGED}")
+                f"{got}, the routers sent them {want}: the receive splits (from_rank) disagree with what the "
+                f"other ranks send. They must be the counts the other ranks send you, exchanged first -- not "
+                f"guessed, nor the received counts laid out in another shape. {WHY_COUNTS}")
     bad = [(r["rank"], r["rows"][0]) for r in ranks if not r["rows"][0]["ok"]]
     if not bad:
         return None

@@ -9,7 +9,7 @@ cut into ``n_chunks`` equal chunks and :func:`layout` says which chunks each ran
 
 **Forward.** The keys and values travel round the ring: at step s, rank r holds those of rank r-s, and
 before computing with them it already sends them on to rank r+1 and posts the receive of the next ones
-(``isend`` / ``irecv``), so the transfer runs while it computes. For every pair (a query chunk of its own,
+(``isend`` / ``irecv`` return at once; it waits for them after computing). For every pair (a query chunk of its own,
 a key chunk it holds now) it computes one block of scores -- skipped when the key chunk lies wholly after
 the query chunk (causal: nothing to see), masked by *global* position on the diagonal -- and merges the
 block's softmax-weighted values into the running output with the log-sum-exp of the scores:
@@ -17,13 +17,16 @@ block's softmax-weighted values into the running output with the log-sum-exp of 
     lse = logaddexp(lse_old, lse_blk);  out = out_old * exp(lse_old - lse) + out_blk * exp(lse_blk - lse)
 
 which is exactly softmax over all the key blocks seen so far (the online softmax of flash attention,
-over ranks). No rank ever holds more than one block of scores.
+over ranks). A rank holds the scores of one block at a time (with their by-products: the probabilities,
+and in backward their gradient), never the whole score matrix.
 
 **Backward**, by hand (:class:`RingAttention`): with the final ``lse`` saved, every block's softmax
 probabilities can be recomputed exactly (``P = exp(S - lse)``); the query gradient stays home, and the
 key and value gradients travel round the ring *with* their keys and values, each rank adding its
-block's share, then one last hop brings them back to their owner. Autograd cannot differentiate
-through ``isend``/``irecv`` itself, hence the hand-written backward.
+block's share, then one last hop brings them back to their owner. Why by hand: ``irecv`` fills a buffer
+made by ``torch.empty_like`` (:meth:`Ring.pass_on`), which has no autograd history, so nothing would carry
+a gradient back to the rank that sent the keys; and recomputing P from the saved lse keeps one block of
+probabilities alive at a time instead of p.
 
 :class:`Ring` also counts what the lesson measures: score elements and blocks computed per rank, the
 CPU seconds spent computing them, the bytes sent. :func:`predicted_work` and :func:`predicted_bytes`
@@ -85,7 +88,9 @@ class Ring:
     group: dist.ProcessGroup | None = None
     blocks: int = 0  # score blocks computed (forward), the diagonal ones included
     score_elements: int = 0  # score entries computed (forward; a diagonal block counts whole)
-    compute_s: float = 0.0  # CPU seconds this rank spent computing blocks, forward and backward
+    compute_s: float = 0.0  # CPU seconds this rank spent computing, forward and backward (its steps, not its waits)
+    block_s: dict[str, float] = field(default_factory=lambda: {"diagonal": 0.0, "below": 0.0})  # of which in blocks
+    block_count: dict[str, int] = field(default_factory=lambda: {"diagonal": 0, "below": 0})  # forward + backward
     bytes_sent: dict[str, int] = field(default_factory=lambda: {"forward": 0, "backward": 0})
     max_block_elements: int = 0  # the largest score block this rank held
 
@@ -107,7 +112,14 @@ class Ring:
     def reset(self) -> None:
         self.blocks = self.score_elements = self.max_block_elements = 0
         self.compute_s = 0.0
+        self.block_s, self.block_count = {"diagonal": 0.0, "below": 0.0}, {"diagonal": 0, "below": 0}
         self.bytes_sent = {"forward": 0, "backward": 0}
+
+    def timed_block(self, diagonal: bool, t0: float) -> None:
+        """Count one block (forward or backward) computed since ``t0`` (``time.thread_time``)."""
+        kind = "diagonal" if diagonal else "below"
+        self.block_s[kind] += time.thread_time() - t0
+        self.block_count[kind] += 1
 
     def pass_on(self, t: torch.Tensor, phase: str) -> tuple[torch.Tensor, list[dist.Work]]:
         """Send ``t`` to the next rank and receive the previous rank's into a new buffer, without
@@ -192,12 +204,14 @@ def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring, 
         t0 = time.thread_time()
         ks, vs = kv[0].chunk(n_mine, dim=-2), kv[1].chunk(n_mine, dim=-2)
         for i, j, qpos, kpos in _pairs(ring, step, seq_len):
+            tb = time.thread_time()
             s = scores(qs[i], ks[j], qpos, kpos)
             ring.blocks += 1
             ring.score_elements += s.shape[-2] * s.shape[-1]
             ring.max_block_elements = max(ring.max_block_elements, s.numel())
             lse_blk = torch.logsumexp(s, dim=-1)
             outs[i], lses[i] = combine(outs[i], lses[i], torch.exp(s - lse_blk[..., None]) @ vs[j], lse_blk)
+            ring.timed_block(int(qpos[0]) == int(kpos[0]), tb)
         ring.compute_s += time.thread_time() - t0
         for r in reqs:
             r.wait()
@@ -227,11 +241,13 @@ def ring_backward(q, k, v, out, lse, dout, ring: Ring) -> tuple[torch.Tensor, to
         ks, vs = kv[0].chunk(n_mine, dim=-2), kv[1].chunk(n_mine, dim=-2)
         dks, dvs = [torch.zeros_like(x) for x in ks], [torch.zeros_like(x) for x in vs]
         for i, j, qpos, kpos in _pairs(ring, step, seq_len):
+            tb = time.thread_time()
             p = torch.exp(_block(qs[i], ks[j], qpos, kpos, scale) - lses[i][..., None])
             dvs[j] += p.transpose(-2, -1) @ dos[i]
             ds = p * (dos[i] @ vs[j].transpose(-2, -1) - deltas[i][..., None])
             dqs[i] += (ds @ ks[j]) * scale
             dks[j] += (ds.transpose(-2, -1) @ qs[i]) * scale
+            ring.timed_block(int(qpos[0]) == int(kpos[0]), tb)
         mine = torch.stack([torch.cat(dks, dim=-2), torch.cat(dvs, dim=-2)])
         ring.compute_s += time.thread_time() - t0
         for r in dkv_reqs:  # the gradients of these keys and values so far, from the previous rank
