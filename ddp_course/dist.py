@@ -134,6 +134,10 @@ def choose_study_device(requested: str, nprocs: Sequence[int]) -> tuple[str, lis
 
 
 COLLECTIVE_TIMEOUT_VAR = "DDP_COURSE_COLLECTIVE_TIMEOUT_S"  # at most this many seconds per collective (setup)
+# CPU threads per process when the program does not choose (threads=0), instead of the cores divided by
+# the node's processes: a test suite that runs two jobs at once on two cores gives each one core's worth
+# (OpenMP threads that wait for a core another job holds spin, and cost that job its time too).
+THREADS_VAR = "DDP_COURSE_THREADS"
 
 
 def launched_by_torchrun() -> bool:
@@ -172,7 +176,7 @@ def setup(device: str = "auto", timeout_s: float = 120.0, threads: int = 0, beca
         torch_device = torch.device("cuda", index)
     else:
         torch_device = torch.device("cpu")
-        n = threads or max(1, cpu_count() // local_world_size)
+        n = threads or int(env.get(THREADS_VAR) or 0) or max(1, cpu_count() // local_world_size)
         torch.set_num_threads(n)
         reason += f", {n} thread(s) per process"
 

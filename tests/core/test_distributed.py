@@ -11,6 +11,7 @@ collective fails the test instead of hanging the suite.
 
 from __future__ import annotations
 
+import sys
 from datetime import timedelta
 from pathlib import Path
 
@@ -238,3 +239,18 @@ def test_no_sync_accumulation_gradients_and_all_reduce_counts(tmp_path):
         # no_sync around backward only changes nothing -- same gradients (above), K times the traffic.
         assert r["calls"]["buggy"] > b
         assert r["calls"]["buggy"] == K * b
+
+
+def test_a_suite_can_give_each_process_its_share_of_the_cores():
+    """``DDP_COURSE_THREADS`` sets the threads of a process that does not choose (what ``make test``'s
+    two workers do); without it a lone process takes every core, and a program's own choice wins."""
+    from harness import run_command
+
+    from ddp_course.dist import THREADS_VAR, cpu_count
+
+    code = ("import sys, torch\nfrom ddp_course.dist import setup\n"
+            "with setup(device='cpu', threads=int(sys.argv[1])):\n    print(torch.get_num_threads())")
+    given = run_command([sys.executable, "-c", code, "0"], 60, env={THREADS_VAR: "1"}).stdout.split()
+    free = run_command([sys.executable, "-c", code, "0"], 60, env={THREADS_VAR: ""}).stdout.split()
+    own = run_command([sys.executable, "-c", code, "2"], 60, env={THREADS_VAR: "1"}).stdout.split()
+    assert (given[-1], free[-1], own[-1]) == ("1", str(cpu_count()), "2")

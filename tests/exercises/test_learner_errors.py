@@ -99,6 +99,7 @@ def graded(tmp_path_factory) -> dict:
     hangs = {("hang", name): attempt(tmp / "hang", name, HANG_LINE) for name in EXERCISES}
     path04 = hangs["hang", "04_ddp_convert"][0]
     hangs["stall", "04_ddp_convert"] = attempt(tmp / "stall", "04_ddp_convert", HANG_LINE)
+    (tmp / "send_first").mkdir()
     hangs["send first", "14_ring_attention"] = (exercise_attempt(tmp / "send_first", "14_ring_attention.py",
                                                                  "pass_on", SEND_FIRST), 0)
     path04.write_text(path04.read_text(encoding="utf-8").replace(*OWN_TIMEOUT), encoding="utf-8")
@@ -206,7 +207,8 @@ def test_a_ring_step_in_which_every_rank_sends_first_is_named(graded):
     msg = verdict.message
     print(f"14_ring_attention, every rank sending first: answered in {seconds:.0f} s")
     assert not verdict.ok and "for send operation" in msg and "every rank sent before it received" in msg, msg
-    assert re.search(r"ranks 0, 1, 2 and 3 raised", msg), msg
+    # the rings of 2 ranks come first: in each pair one rank's send times out, and its peer then loses it
+    assert re.search(r"ranks? [0-3](, \d)*( and \d)? raised RuntimeError: Timed out waiting", msg), msg
     assert f'File "{show(path)}", line' in msg and "dist.send(t.contiguous(), send_to)" in msg, msg
     no_launcher(msg)
     assert not _no_process_left(path)

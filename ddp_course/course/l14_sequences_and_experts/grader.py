@@ -6,9 +6,9 @@ its output's distance from one process's attention, and from what the same ring 
 classic mistake in place (``ring_harness.MISTAKES``). The grader passes the answer that equals one
 process everywhere, whatever its spelling, and otherwise names the mistake whose output the learner's
 equals: the causal mask by position inside the block, no mask, blocks merged without rescaling by the
-log-sum-exp. A ring step that blocks in a send on every rank never finishes: gloo's ``send`` waits
-until the peer has posted its receive, so every rank waits in its send; the job's collective timeout
-stops it and the verdict shows where each rank waited.
+log-sum-exp. A ring step that blocks in a send on every rank never finishes: gloo executes a send only
+when the peer has posted its receive (``Pair::send``, gloo's ``transport/tcp/pair.cc``), so every rank
+waits in its send; the job's collective timeout stops it and the verdict shows where each rank waited.
 """
 
 from __future__ import annotations
@@ -43,8 +43,9 @@ SEND_HANG = re.compile(r"unbound_buffer|Timed out waiting|timed out", re.IGNOREC
 
 def hint(output: str) -> str:
     if SEND_HANG.search(output):
-        return ("\nLikely cause: every rank sent before it received. gloo's send (dist.send) returns only once the "
-                "peer has posted its receive, so when all ranks send first, all of them wait in their send. Post "
+        return ("\nLikely cause: every rank sent before it received. gloo executes a send only when the peer has "
+                "posted its receive (Pair::send in gloo's transport/tcp/pair.cc), so when all ranks send first, all "
+                "of them wait in their send. Post "
                 "both without waiting (dist.isend and dist.irecv, then wait on both), or let even ranks send first "
                 "and odd ranks receive first.")
     return ""
