@@ -2,19 +2,23 @@
 saying which one it is.
 
 Every wrong attempt is the answered solution with ONE function body replaced (what a learner would
-have written there). The mistakes of the data order (no DistributedSampler) are also in
-``tests/lessons/test_ddp_lesson.py``, beside the recipe lab that shows them. The answered solution is the
+have written there), and the data order's (no DistributedSampler) with the solution's own lines
+changed. The answered solution is the
 file lesson 04's grading cell grades in ``make test``: its verdict is read from there when that cell
 graded the same file in this session (``notebook_runs.grade``).
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import notebook_runs
 import pytest
-from harness import answered_exercise, exercise_attempt, grade_in_pairs
+from harness import ROOT, answered_exercise, exercise_attempt, grade_in_pairs
 
 from ddp_course.course.l04_ddp import grader
+
+SOLUTION = ROOT / "solutions" / "exercises" / "04_ddp_convert.py"
 
 NAME = "04_ddp_convert.py"
 
@@ -80,3 +84,28 @@ def test_loss_check_names_each_mistake_without_a_job():
     assert "its own batch" in grader._loss_problem(rows(*halves), ref)
     assert "rank(s) [1] did not" in grader._loss_problem(rows(ref, [v / 2 for v in halves[1]]), ref)
     assert "carry no losses" in grader._loss_problem([{"rank": 0}, {"rank": 1}], ref)
+
+
+@pytest.mark.timeout(300)
+def test_grader_fails_without_the_sampler_and_says_why(tmp_path):
+    from ddp_course.course.l04_ddp.grader import grade
+
+    path = _broken(tmp_path,
+                   "    sampler = DistributedSampler(ds, num_replicas=world_size, rank=rank, shuffle=True, seed=SEED, "
+                   "drop_last=True)\n    return DataLoader(ds, batch_size=MICRO_BATCH, sampler=sampler, drop_last=True), "
+                   "sampler\n",
+                   "    return DataLoader(ds, batch_size=MICRO_BATCH, shuffle=True, drop_last=True), None\n",
+                   "no_sampler.py")
+    path.write_text(path.read_text().replace("    sampler.set_epoch(epoch)\n", "    pass\n"))
+    verdict = grade(path, timeout=180)
+    assert not verdict.ok
+    assert "same windows" in verdict.message and "DistributedSampler" in verdict.message
+    assert "final parameters differ" in verdict.message  # the measured gap is reported too
+
+
+def _broken(tmp_path: Path, old: str, new: str, name: str) -> Path:
+    src = SOLUTION.read_text()
+    assert src.count(old) == 1, f"the solution no longer contains {old!r}"
+    path = tmp_path / name
+    path.write_text(src.replace(old, new))
+    return path

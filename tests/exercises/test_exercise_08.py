@@ -122,3 +122,27 @@ def test_kill_diagnosis_names_each_outcome():
     assert not v.ok and "never called torch.save" in v.message
     v = grader.diagnose_kill({**row, "step": 2})
     assert not v.ok and "not the complete checkpoint of step 1" in v.message
+
+
+def _results(loaded: dict[int, dict] | None = None, start: int = grader.CKPT_STEP) -> list[dict]:
+    """RESULT rows as the exercise prints them after a restart: the resumed run, then its reference."""
+    out = []
+    for r in range(2):
+        ref = {"at_ckpt": {"model": "m", "optimizer": "o", "rng": f"rng{r}"}, "final": "f",
+               "losses": {str(s): float(s) for s in range(1, grader.MAX_STEPS + 1)}}
+        out.append({"rank": r, "attempt": 1, "start": start,
+                    "loaded": {**ref["at_ckpt"], **(loaded or {}).get(r, {})}, "at_ckpt": None, "final": "f",
+                    "losses": {k: v for k, v in ref["losses"].items() if int(k) > start}, "reference": ref})
+    return out
+
+
+def test_grader_diagnoses_each_missing_part():
+    assert grader.diagnose(_results()).ok
+    v = grader.diagnose(_results({1: {"rng": "rng0"}}))
+    assert not v.ok and "got rank 0's RNG state" in v.message
+    v = grader.diagnose(_results({0: {"optimizer": "x"}, 1: {"optimizer": "x"}}))
+    assert not v.ok and "optimizer" in v.message and "[0, 1]" in v.message
+    v = grader.diagnose(_results(start=0))
+    assert not v.ok and "started again from step 0" in v.message
+    v = grader.diagnose([{**row, "final": "g"} for row in _results()])
+    assert not v.ok and "in the final parameters" in v.message
