@@ -336,6 +336,16 @@ class ExpertParallelMoE(nn.Module):
 # --- the model, its loss and its gradient rule ---------------------------------------------------------------
 
 
+def relative_error(a: torch.Tensor | None, b: torch.Tensor | None) -> float:
+    """|a - b| / |b| in float64; a missing gradient counts as zeros (0 when both are missing)."""
+    if a is None and b is None:
+        return 0.0
+    a = torch.zeros_like(b) if a is None else a
+    b = torch.zeros_like(a) if b is None else b
+    den = b.double().norm()
+    return float((a.double() - b.double()).norm() / den) if den > 0 else float(a.double().norm())
+
+
 def moe_layers(model: nn.Module) -> list[MoE | ExpertParallelMoE]:
     """The model's mixture-of-experts layers, block by block."""
     return [m for m in model.modules() if isinstance(m, (MoE, ExpertParallelMoE))]

@@ -107,16 +107,6 @@ def expected_rows(h: torch.Tensor, router: nn.Linear, top_k: int, local: range) 
     return torch.cat([h[token[expert == e]] for e in local])
 
 
-def _rel(a: torch.Tensor | None, b: torch.Tensor | None) -> float:
-    """|a - b| / |b|, a missing gradient counting as zeros (0 when both are missing)."""
-    if a is None and b is None:
-        return 0.0
-    a = torch.zeros_like(b) if a is None else a
-    b = torch.zeros_like(a) if b is None else b
-    den = float(b.norm())
-    return float((a - b).norm()) / den if den > 0 else float(a.norm())
-
-
 def _rows_check(ep_layer: ExerciseMoE, want: torch.Tensor) -> dict[str, Any]:
     """Whether a layer's received rows are ``want``, row by row (same count and order, to rounding)."""
     got = ep_layer.grouped
@@ -157,7 +147,7 @@ def run_side_by_side(dispatch: Callable, combine: Callable, sync_gradients: Call
     dist.all_reduce(dropped)
     mine = [int(e) for e in layers[0].experts]
     ref_params = dict(ref.named_parameters())
-    grads = {name: {"rel": _rel(w.grad, ref_params[name].grad),
+    grads = {name: {"rel": experts.relative_error(w.grad, ref_params[name].grad),
                     "norm": None if w.grad is None else float(w.grad.norm())} for name, w in ep.named_parameters()}
     rows = [_rows_check(m, expected_rows(h, r.router, top_k, range(mine[0], mine[-1] + 1)))
             for m, r, h in zip(layers, ref_layers, inputs)]

@@ -104,16 +104,6 @@ def my_rows(batch: tuple[torch.Tensor, torch.Tensor], info: DistInfo) -> tuple[t
     return tuple(t[info.rank * n:(info.rank + 1) * n] for t in batch)
 
 
-def rel(a: torch.Tensor | None, b: torch.Tensor | None) -> float:
-    """|a - b| / |b| in float64; a missing gradient counts as zeros (0 when both are missing)."""
-    if a is None and b is None:
-        return 0.0
-    a = torch.zeros_like(b) if a is None else a
-    b = torch.zeros_like(a) if b is None else b
-    den = b.double().norm()
-    return float((a.double() - b.double()).norm() / den) if den > 0 else float((a.double()).norm())
-
-
 def parity(opts: dict[str, Any], data: list, vocab: int, info: DistInfo, dtype: torch.dtype) -> dict[str, Any]:
     """This rank's view of ``--steps`` AdamW steps of one process and of the expert-parallel model side by side."""
     ref = build(opts, opts["capacity_factor"], vocab, dtype)
@@ -142,13 +132,13 @@ def parity(opts: dict[str, Any], data: list, vocab: int, info: DistInfo, dtype: 
             "reference_tokens_per_expert": [m.tokens_per_expert.tolist() for m in ref_layers],
             "ledger": [dict(m.ledger) for m in layers]})
         if step == 0:
-            errs = {n: rel(w.grad, ref_params[n].grad) for n, w in ep.named_parameters()}
+            errs = {n: moe.relative_error(w.grad, ref_params[n].grad) for n, w in ep.named_parameters()}
             worst = max(errs, key=errs.get)
             out["grad_rel_err"], out["worst_grad"], out["grads_compared"] = errs[worst], worst, len(errs)
         for opt in (opt_ref, opt_ep):
             opt.step()
             opt.zero_grad(set_to_none=True)
-    out["update_rel_diff"] = max(rel(w.detach(), ref_params[n].detach()) for n, w in ep.named_parameters())
+    out["update_rel_diff"] = max(moe.relative_error(w.detach(), ref_params[n].detach()) for n, w in ep.named_parameters())
     return out
 
 

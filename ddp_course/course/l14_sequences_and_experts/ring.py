@@ -152,6 +152,11 @@ def predicted_bytes(world_size: int, local_kv_bytes: int) -> dict[str, int]:
     return {"forward": (p - 1) * local_kv_bytes, "backward": (2 * p - 1) * local_kv_bytes}
 
 
+def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b||: how far this rank's result is from one process's, relative to its size."""
+    return float((a - b).detach().norm() / b.detach().norm())
+
+
 def _block(q: torch.Tensor, k: torch.Tensor, qpos: torch.Tensor, kpos: torch.Tensor, scale: float) -> torch.Tensor:
     """Scores of one block, masked by global position: (B, H, cq, ck); -inf where key after query."""
     s = (q @ k.transpose(-2, -1)) * scale

@@ -58,10 +58,6 @@ MISTAKES: dict[str, dict[str, Callable]] = {
 }
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).norm() / b.norm())
-
-
 def measure(pass_on: Callable, block_scores: Callable, merge: Callable, *, seq: int = 32, heads: int = 2,
             head_dim: int = 8, seed: int = 0) -> dict[str, Any]:
     """This rank's errors against one process for every ring and layout, the learner's functions and each
@@ -84,8 +80,8 @@ def measure(pass_on: Callable, block_scores: Callable, merge: Callable, *, seq: 
             out, _ = R.ring_forward(*mine, ring, scores=block_scores, combine=merge,
                                     send=lambda t, nxt=nxt, prv=prv: pass_on(t, nxt, prv))
             key = f"{size} ranks, {kind}"
-            errors[key] = _rel(out, want)
-            mistakes[key] = {name: _rel(out, R.ring_forward(*mine, R.Ring(kind, group), **swap)[0])
+            errors[key] = R.relative_error(out, want)
+            mistakes[key] = {name: R.relative_error(out, R.ring_forward(*mine, R.Ring(kind, group), **swap)[0])
                              for name, swap in MISTAKES.items()}
             mistakes[key]["(as one process)"] = errors[key]
     return {"rank": me, "world_size": world, "errors": errors, "mistakes": mistakes,

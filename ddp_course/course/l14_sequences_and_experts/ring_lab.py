@@ -36,6 +36,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from ddp_course.cli import FlagError, command, parse_flags
+from ddp_course.course.l11_beyond_data_parallel.tp_lab import same_batches  # --steps batches of the corpus
 from ddp_course.course.l14_sequences_and_experts import context_parallel as cp
 from ddp_course.course.l14_sequences_and_experts import ring as R
 from ddp_course.dist import log, seeded, setup
@@ -122,10 +123,6 @@ def _qkv(seq: int, heads: int, head_dim: int, seed: int, dtype: torch.dtype) -> 
     return [torch.randn(1, heads, seq, head_dim, generator=g, dtype=dtype) for _ in range(4)]  # q, k, v, dout
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).detach().norm() / b.detach().norm())
-
-
 def parity(ring: R.Ring, seq: int, heads: int, head_dim: int, seed: int, dtype: torch.dtype) -> dict[str, float]:
     """Relative errors of this rank's out, dq, dk, dv against one process's, on the same tensors."""
     q, k, v, dout = _qkv(seq, heads, head_dim, seed, dtype)
@@ -136,7 +133,7 @@ def parity(ring: R.Ring, seq: int, heads: int, head_dim: int, seed: int, dtype: 
     out = R.ring_attention(*mine, ring)
     out.backward(R.shard(dout, ring.kind, ring.size, ring.rank))
     part = lambda t: R.shard(t, ring.kind, ring.size, ring.rank)  # noqa: E731
-    return {"out": _rel(out, part(ref)), **{f"d{n}": _rel(m.grad, part(w.grad)) for n, m, w in zip("qkv", mine, whole)}}
+    return {"out": R.relative_error(out, part(ref)), **{f"d{n}": R.relative_error(m.grad, part(w.grad)) for n, m, w in zip("qkv", mine, whole)}}
 
 
 def work_and_bytes(ring: R.Ring, opts: dict[str, Any]) -> dict[str, Any]:
@@ -226,15 +223,6 @@ def build(opts: dict[str, Any], vocab: int) -> MiniGPT:
         return MiniGPT(GPTConfig(vocab_size=vocab, **{k: opts[k] for k in ("block_size", "n_layer", "n_head", "n_embd")}))
 
 
-def corpus_batches(opts: dict[str, Any]) -> tuple[list, int]:
-    """``--steps`` batches of the corpus, the same on every rank, and the vocabulary size."""
-    from ddp_course.data import prepare, train_batches
-
-    data = prepare(opts["corpus"], opts["block_size"], 0.1, announce=lambda _: None)
-    it = train_batches(data.train, opts["batch_size"], rank=0, world_size=1, seed=opts["seed"])
-    return [next(it) for _ in range(opts["steps"])], data.tokenizer.vocab_size
-
-
 def check_options(opts: dict[str, Any], world_size: int) -> None:
     if world_size not in (2, 4):
         raise FlagError(f"the lab runs on 2 or 4 ranks (got {world_size}): launch it with `{PROG}`.")
@@ -286,7 +274,7 @@ def main(argv: list[str]) -> int:
                 f"{[sum(r['bytes_sent'].values()) for r in per_rank]} bytes")
         results["one_process_memory"] = one_process_memory(opts) if info.is_main else None
         results["peak_check"] = check_peak_bytes() if info.is_main else None
-        batches, vocab = corpus_batches(opts)
+        batches, vocab = same_batches(opts, info.device)
         results["training"] = {}
         for dtype in (torch.float32, torch.float64):
             name = str(dtype)[6:]
@@ -294,7 +282,7 @@ def main(argv: list[str]) -> int:
             ref_l, ref_g = train_one_process(opts, batches, vocab, dtype) if info.is_main else (None, None)
             if info.is_main:
                 diff = [abs(a - b) / abs(b) for a, b in zip(ring_l, ref_l)]
-                grads = {n: _rel(ring_g[n], ref_g[n]) for n in ref_g}  # the tied head's gradient is the table's
+                grads = {n: R.relative_error(ring_g[n], ref_g[n]) for n in ref_g}  # the tied head's gradient is the table's
                 results["training"][name] = {"ring_losses": ring_l, "reference_losses": ref_l, "loss_rel_diff": diff,
                                              "first_grad_rel_err": grads}
                 log(f"[ring_lab] MiniGPT on the ring, {name}, {len(ring_l)} steps: loss {ring_l[0]:.4f} -> "

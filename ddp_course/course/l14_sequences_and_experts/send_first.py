@@ -43,15 +43,12 @@ def step(way: str, t: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Te
     if way == "isend/irecv":
         for req in [dist.isend(t, nxt, group=group), dist.irecv(buf, prv, group=group)]:
             req.wait()
-    elif way == "even sends first" and rank % 2 == 0:
+    elif way == "all send first" or rank % 2 == 0:  # the blocking calls, send first
         dist.send(t, nxt, group=group)
         dist.recv(buf, prv, group=group)
-    elif way == "even sends first":
+    else:  # "even sends first": the odd ranks receive first
         dist.recv(buf, prv, group=group)
         dist.send(t, nxt, group=group)
-    else:  # all send first
-        dist.send(t, nxt, group=group)
-        dist.recv(buf, prv, group=group)
     return buf
 
 
