@@ -77,9 +77,10 @@ lab: setup $(LAB_STAMP)
 
 # The notebooks run as a learner's completed copies (answers in place of the TODOs, no markers,
 # the solutions' outputs kept for the cells nbval compares): build/learner, rebuilt each time. They
-# are collected first; with two workers taking whole files, a test that checks the same job as a
-# notebook reads the notebook's run of it (tests/notebook_runs.py) when it has finished, instead of
-# launching it again. The course's own modules are byte-compiled
+# run first, and the tests that read a notebook's run last (tests/conftest.py orders the files;
+# --no-loadscope-reorder keeps xdist from reordering them by size): with two workers taking whole
+# files, a test that checks the same job as a notebook reads the notebook's run of it
+# (tests/notebook_runs.py) instead of launching it again. The course's own modules are byte-compiled
 # first: every process of every job imports them, and where PYTHONDONTWRITEBYTECODE is set (CI
 # machines) each process would compile them again.
 test: setup
@@ -87,7 +88,7 @@ test: setup
 	$(PY) tools/make_lessons.py --answered build/learner
 	DDP_COURSE_NOTEBOOK_RUNS=$(CURDIR)/build/learner \
 	$(PY) -m pytest build/learner tests --nbval-lax --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg \
-	  --nbval-cell-timeout=600 -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	  --nbval-cell-timeout=600 -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 # The whole suite on another PyTorch, e.g. `make test-torch TORCH_SPEC="torch==2.8.0"`: a venv of its
 # own (.venv-torch/..., kept for the next run), isolated from any torch the system has. README.md's

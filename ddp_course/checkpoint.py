@@ -240,11 +240,21 @@ def _commit(path: Path, keep_last: int) -> None:
             _remove(old)
 
 
-def _full_options() -> StateDictOptions:
+def _full_options(device: torch.device) -> StateDictOptions:
+    """Full (unsharded) tensors, what one file holds: copied to the CPU and kept on rank 0 only when
+    the model lives on an accelerator.
+
+    A PyTorch workaround, here only: on the CPU, ``cpu_offload`` makes FSDP1's ``FlatParamHandle.to_cpu``
+    (torch/distributed/fsdp/_flat_param.py) "move" the gathered flat parameter to the CPU, a no-op that
+    keeps the same storage, then free that storage while the state dict's views still point into it:
+    ``--strategy=fsdp1`` died with a segmentation fault in the first full checkpoint and in final.pt
+    (pytorch/pytorch#188989, fixed by #188990). On the CPU the tensors are in CPU memory already, so
+    nothing is lost without it; every rank then holds the full tensors, and rank 0 writes them.
+    ``tests/core/test_every_strategy.py`` fails without this.
+    """
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-    # full (unsharded) tensors, copied to the CPU, kept on rank 0 only: what one file holds
-    return StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return StateDictOptions(full_state_dict=True, cpu_offload=device.type != "cpu")
 
 
 def save(out_dir: str | os.PathLike, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
@@ -265,7 +275,7 @@ def save(out_dir: str | os.PathLike, step: int, model: nn.Module, optimizer: tor
             "scaler": scaler.state_dict() if scaler is not None else None, "torch": str(torch.__version__)}
     rng = _gather_rng(info)  # every rank takes part; rank 0 receives the list
     if fmt == "full":
-        model_sd, optim_sd = plan.state_dict(model, optimizer, _full_options())  # every rank (FSDP gathers)
+        model_sd, optim_sd = plan.state_dict(model, optimizer, _full_options(info.device))  # every rank (FSDP gathers)
         if info.is_main:
             d.mkdir(parents=True, exist_ok=True)
             _remove_leftovers(d)
@@ -304,7 +314,7 @@ def save_final(out_dir: str | os.PathLike, step: int, model: nn.Module, info: Di
 
     A collective (every rank calls it). Cheap: the model only, no optimizer.
     """
-    model_sd = parallel.strategy_of(model).model_state_dict(model, _full_options())
+    model_sd = parallel.strategy_of(model).model_state_dict(model, _full_options(info.device))
     path = Path(out_dir) / FINAL
     if info.is_main:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -68,11 +68,25 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     notebook_runs.SESSION_START = time.time()  # only notebook runs made from now on are reused
 
 
+def _turn(item: pytest.Item) -> tuple[int, int]:
+    """When an item's file runs (``make test`` hands out whole files in this order, ``--no-loadscope-reorder``):
+    the notebooks first, the later lessons (the longer ones) before the earlier; then the tests; last,
+    the test files that read a notebook's run (``notebook_runs``), so that the notebook has finished it
+    and they need not launch the same job again."""
+    if item.path.suffix == ".ipynb":
+        number = item.path.name.partition("_")[0]
+        return 0, -int(number) if number.isdigit() else 0
+    module = getattr(item, "module", None)
+    return (2 if module is not None and "notebook_runs" in vars(module) else 1), 0
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Mark the cells of executed notebooks (``make test``'s build/learner) ``slow``.
+    """Mark the cells of executed notebooks (``make test``'s build/learner) ``slow``, and put the files in
+    the order they should run (:func:`_turn`; a stable sort, so a notebook's cells stay in order).
 
     ``-m "not slow"`` then leaves out every notebook execution, the bulk of the suite's time.
     """
+    items.sort(key=_turn)
     for item in items:
         if item.path.suffix == ".ipynb":
             item.add_marker(pytest.mark.slow)

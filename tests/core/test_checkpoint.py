@@ -6,9 +6,8 @@ tests/exercises/test_exercise_08.py).
 
 The crashed and uninterrupted jobs are lesson 08's (section 4), with its settings: in ``make test``
 the notebook's runs of the uninterrupted job, of the sharded crash-and-restart and of the 4-rank
-reload are read (``notebook_runs``) instead of being launched again. The same crash under
-``--strategy=zero1`` (DDP with ``ZeroRedundancyOptimizer``), in both formats, is not in the lesson
-and always runs here: it must end where the uninterrupted DDP job ends, bit for bit."""
+reload are read (``notebook_runs``) instead of being launched again. Every other strategy's save and
+resume, in both formats, is checked in ``tests/core/test_every_strategy.py``."""
 
 from __future__ import annotations
 
@@ -69,36 +68,13 @@ def runs(tmp_path_factory) -> dict:
                    **CRASH, ckpt_format="sharded", **BASE)}
 
 
-@pytest.fixture(scope="module")
-def zero1_runs(tmp_path_factory) -> dict:
-    """Lesson 08's crashed job under --strategy=zero1, in each format; the two jobs run side by side."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    root = tmp_path_factory.mktemp("zero1")
-
-    def crashed(fmt: str):
-        return run(TRAIN, nproc=2, out_dir=root / fmt, timeout=250, progress=False, echo="none",
-                   torchrun_args=["--max-restarts=1"], env=RESTART_ENV, **CRASH, ckpt_format=fmt,
-                   **{**BASE, "strategy": "zero1"})
-
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        return dict(zip(checkpoint.FORMATS, pool.map(crashed, checkpoint.FORMATS)))
-
-
 # --- exact resume after a crash, torchrun restarting the job ---------------------------------------------
 
-# Every (strategy, format) crash below must end bit for bit where the uninterrupted DDP job ends. The
-# full format runs under ZeRO-1 only: DDP's full checkpoints are written by the reference job and read
-# back by 1 and 4 ranks further down, and ZeRO-1 changes where AdamW's state lives, not the arithmetic
-# (DDP's all-reduced gradients, then AdamW's element-wise update of each tensor by its owner), so its
-# resumed job must match DDP's to the last bit as well.
-CRASHED = [("ddp", "sharded"), ("zero1", "full"), ("zero1", "sharded")]
-
-
+# The crash below must end bit for bit where the uninterrupted job ends. DDP's full checkpoints are
+# written by the reference job and read back by 1 and 4 ranks further down.
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("strategy, fmt", CRASHED)
-def test_restarted_job_equals_the_uninterrupted_one(runs, zero1_runs, strategy, fmt):
-    ref, r = runs["reference"], (runs[fmt] if strategy == "ddp" else zero1_runs[fmt])
+def test_restarted_job_equals_the_uninterrupted_one(runs):
+    ref, r, fmt = runs["reference"], runs["sharded"], "sharded"
     # it really crashed once and resumed from the step-40 checkpoint on torchrun's second attempt
     assert f"injected failure on rank 1 at step {FAIL_AT}" in r.output
     assert f"resumed from {show(checkpoint.checkpoint_path(r.out_dir, CKPT, fmt))} at step {CKPT}" in r.output
@@ -113,16 +89,6 @@ def test_restarted_job_equals_the_uninterrupted_one(runs, zero1_runs, strategy, 
     final, ref_final = _final(r.out_dir), _final(ref.out_dir)
     assert final.keys() == ref_final.keys()
     assert all(torch.equal(final[k], ref_final[k]) for k in ref_final)
-
-
-def test_a_zero1_checkpoint_holds_the_same_adamw_state_as_ddps(runs, zero1_runs):
-    """ZeRO-1 gathers every rank's part of AdamW into the file, keyed by parameter name: the same
-    entries, equal to the last bit, as the DDP job's own step-40 checkpoint."""
-    mine, ddp = (checkpoint.load(checkpoint.checkpoint_path(r.out_dir, CKPT, "full"))["optimizer"]
-                 for r in (zero1_runs["full"], runs["reference"]))
-    assert mine["state"].keys() == ddp["state"].keys()
-    assert all(torch.equal(mine["state"][k][n], v) for k, st in ddp["state"].items() for n, v in st.items())
-    assert [g["params"] for g in mine["param_groups"]] == [g["params"] for g in ddp["param_groups"]]
 
 
 def test_sharded_checkpoint_has_a_part_from_every_rank(runs):
