@@ -10,6 +10,7 @@ choices. Flags are matched exactly, never by prefix, so they cannot be confused 
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import inspect
 import os
@@ -45,10 +46,37 @@ def available_strategies() -> tuple[str, ...]:
     return tuple(sorted(names, key=lambda n: (_STRATEGY_ORDER.get(n, 99), n)))
 
 
+def strategy_summary(name: str) -> tuple[str, tuple[str, ...]]:
+    """A strategy's first docstring line and the options it declares (its module's ``OPTIONS``: the
+    ``TrainConfig`` fields it reads), read from its file without importing it (nor torch).
+
+    ``OPTIONS`` is a tuple of names, or another strategy's (``OPTIONS = ddp.OPTIONS``).
+    """
+    tree = ast.parse((STRATEGY_DIR / f"{name}.py").read_text(encoding="utf-8"))
+    doc = (ast.get_docstring(tree) or "").strip().splitlines()
+    options: tuple[str, ...] = ()
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "OPTIONS" for t in node.targets):
+            if isinstance(node.value, ast.Attribute) and isinstance(node.value.value, ast.Name):
+                options = strategy_summary(node.value.value.id)[1]
+            else:
+                options = tuple(ast.literal_eval(node.value))
+    return (doc[0] if doc else ""), options
+
+
+def strategy_options() -> dict[str, tuple[str, ...]]:
+    """``{option: strategies that read it}`` for every option a strategy declares."""
+    owners: dict[str, tuple[str, ...]] = {}
+    for name in available_strategies():
+        for option in strategy_summary(name)[1]:
+            owners[option] = (*owners.get(option, ()), name)
+    return owners
+
+
 @dataclass(kw_only=True)
 class TrainConfig:
     # --- what runs where -------------------------------------------------------------------
-    strategy: str = "single"  # how the model is replicated: one of ddp_course/parallel/*.py
+    strategy: str = "single"  # how the model is replicated: one of the strategies listed below
     device: str = "auto"  # auto: CUDA+NCCL when every local rank has its own GPU, else CPU+gloo
     precision: str = "fp32"  # fp32 | bf16 | fp16 (fp16 adds a GradScaler)
     threads: int = 0  # CPU threads per process; 0 = cores divided by the processes on this node
@@ -246,10 +274,18 @@ def help_text(prog: str = "python -m ddp_course.train", example: str = TRAIN_EXA
         if ":" in stripped and "#" in stripped and not stripped.startswith("#"):
             name = stripped.split(":", 1)[0].strip()
             comments[name] = stripped.split("#", 1)[1].strip()
+    flags = {f"--{name}={default!s}": text for name, (default, text) in (extra or {}).items()}
+    owned = strategy_options()
+    fields = {f.name: (f"--{f.name}={f.default!s}", comments.get(f.name, "")) for f in dataclasses.fields(TrainConfig)}
+    flags.update({flag: text for name, (flag, text) in fields.items() if name not in owned})
+    width = max(*map(len, flags), *(len(fields[o][0]) + 4 for o in owned)) + 2  # one column for every text
     lines = [f"usage: {prog} [--key=value ...]", "", f"  {example}", "", GRAMMAR, "", "options:"]
-    lines += [f"  --{name}={default!s:<16} {text}" for name, (default, text) in (extra or {}).items()]
-    for f in dataclasses.fields(TrainConfig):
-        lines.append(f"  --{f.name}={f.default!s:<16} {comments.get(f.name, '')}")
+    lines += [f"  {flag:<{width}}{text}" for flag, text in flags.items()]
+    lines += ["", "strategies (--strategy=NAME), each with the options it reads:"]
+    for name in available_strategies():
+        doc, options = strategy_summary(name)
+        lines.append(f"  {name:<{width}}{doc.replace('``', '')}")
+        lines += [f"      {fields[o][0]:<{width - 4}}{fields[o][1]}" for o in options]
     return "\n".join(lines)
 
 

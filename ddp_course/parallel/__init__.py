@@ -10,6 +10,9 @@ name in the module       what it decides                             default
 =======================  ==========================================  =========================================
 ``NEEDS_PROCESS_GROUP``  whether it needs torchrun and a process     ``True`` (``single`` and ``dp`` say
                          group (checked before anything is built)    ``False``: one process)
+``OPTIONS``              the ``TrainConfig`` fields that are its own  ``()``
+                         (``--help`` lists them under the strategy;
+                         another's: ``OPTIONS = ddp.OPTIONS``)
 ``build_optimizer``      ``(model, cfg, device) -> Optimizer``       :func:`adamw`: decay on matrices only
 ``sync_context``         ``(model, sync) -> context``: a micro-step  a no-op context (nothing is synchronised
                          that must not synchronise gradients          in backward)
@@ -135,6 +138,7 @@ class StrategyModule(Protocol):
 
     NEEDS_PROCESS_GROUP: bool
     LAUNCH_EXAMPLE: str
+    OPTIONS: tuple[str, ...]
 
     def wrap(self, model: nn.Module, info: DistInfo, cfg: TrainConfig) -> nn.Module: ...
     def build_optimizer(self, model: nn.Module, cfg: Any, device: torch.device) -> torch.optim.Optimizer: ...
@@ -155,7 +159,7 @@ class StrategyModule(Protocol):
 # every hook, with the number of arguments it takes (StrategyModule's methods, less ``self``)
 HOOKS: dict[str, int] = {name: len(inspect.signature(fn).parameters) - 1
                          for name, fn in vars(StrategyModule).items() if inspect.isfunction(fn) and name[0] != "_"}
-CONSTANTS = ("NEEDS_PROCESS_GROUP", "LAUNCH_EXAMPLE")
+CONSTANTS = ("NEEDS_PROCESS_GROUP", "LAUNCH_EXAMPLE", "OPTIONS")
 
 
 def check_module(module: Any) -> None:

@@ -32,6 +32,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from ddp_course.config import TrainConfig
 from ddp_course.dist import DistInfo
 
+# the TrainConfig options this strategy reads (python -m ddp_course.train --help lists them under it)
+OPTIONS = ("bucket_cap_mb", "broadcast_buffers", "find_unused_parameters", "static_graph", "comm_hook")
+
 INT8_LEVELS = 127  # int8 codes used: -127 .. 127 (symmetric, so 0 stays exactly 0)
 
 

@@ -40,6 +40,9 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from ddp_course.config import ConfigError, TrainConfig
 from ddp_course.dist import DistInfo
 
+# the TrainConfig options this strategy reads (python -m ddp_course.train --help lists them under it)
+OPTIONS = ("reshard_after_forward", "fsdp_mixed_precision", "fsdp_shard_size", "fsdp_cpu_offload")
+
 
 def shard_layout(info: DistInfo, cfg: TrainConfig) -> tuple[int, int]:
     """(replicas, shard ranks) for this world size: ``fsdp_shard_size`` ranks hold one copy of the model."""

@@ -43,6 +43,9 @@ from ddp_course.dist import DistInfo
 from ddp_course.parallel import adamw
 from ddp_course.parallel.fsdp import device_mesh, gathered, shard_layout
 
+# the TrainConfig options this strategy reads (python -m ddp_course.train --help lists them under it)
+OPTIONS = ("reshard_after_forward", "fsdp_mixed_precision", "fsdp_shard_size", "fsdp_cpu_offload")
+
 
 def sharding_strategy(info: DistInfo, cfg: TrainConfig) -> ShardingStrategy:
     """FSDP1's ShardingStrategy for these options (the table above); refuses the unsynchronised hybrid case."""

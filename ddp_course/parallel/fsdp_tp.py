@@ -40,6 +40,9 @@ from ddp_course.parallel import _tensor_parallel as tp_plan
 from ddp_course.parallel import fsdp
 from ddp_course.parallel.fsdp import mp_policy
 
+# the TrainConfig options this strategy reads (python -m ddp_course.train --help lists them under it)
+OPTIONS = ("tp", "reshard_after_forward", "fsdp_mixed_precision")
+
 LAUNCH_EXAMPLE = "--nproc_per_node=4 -m ddp_course.train --strategy=fsdp_tp --tp=2"  # what the refusal without torchrun suggests
 
 

@@ -29,6 +29,9 @@ from ddp_course.config import TrainConfig
 from ddp_course.dist import DistInfo
 from ddp_course.parallel import adamw_options, ddp, decay_groups
 
+# the TrainConfig options this strategy reads (python -m ddp_course.train --help lists them under it)
+OPTIONS = ddp.OPTIONS  # the model is wrapped as --strategy=ddp wraps it
+
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 

@@ -36,7 +36,7 @@ WORLD = 2
 STEPS, CKPT = 4, 2
 RUN = {**TINY, "max_steps": STEPS, "ckpt_interval": CKPT, "log_interval": 1, "eval_interval": 0, "warmup_steps": 1,
        "dropout": 0.1, "lr": 3e-3, "keep_last": STEPS}
-OPTIONS = {"fsdp_tp": {"tp": WORLD}}  # a strategy's own options, where it needs some to run on WORLD ranks
+OPTIONS = {"fsdp_tp": {"tp": WORLD}}  # values of a strategy's own options, where it needs some to run on WORLD ranks
 GROUP = [n for n in available_strategies() if parallel.get(n).needs_process_group]
 ALONE = [n for n in available_strategies() if not parallel.get(n).needs_process_group]
 
