@@ -71,12 +71,21 @@ SEND_FIRST = ("    received = torch.empty_like(t)\n    dist.send(t.contiguous(),
               "    dist.recv(received, recv_from)\n    return received\n")
 # exercise 04's learner joins the process group with a timeout of their own: the hang attempt sets it
 OWN_TIMEOUT = ("timedelta(seconds=60)", f"timedelta(seconds={COLLECTIVE_S})")
+# A hang is tried on one exercise for each way a job can reach it: the harness joining the process group
+# through dist.setup and graded by check.run_exercise, on 2 ranks (01) and on 4 (14_expert_dispatch);
+# point-to-point sends (02; exercise 14's ring: every rank sending first, below); the learner's own
+# process group (04); a device mesh (13); the grader's own launch, a crash and a restart (08); DataLoader
+# worker processes beside the ranks (10). Every other exercise joins and is graded as 01 is
+# (test_every_exercise_without_a_hang_attempt_is_graded_as_one_with_one checks it): each hang attempt
+# costs a job of two or four processes.
+HANGS = ["01_global_val_loss", "02_ring_allreduce", "04_ddp_convert", "08_save_load", "10_dataloader",
+         "13_two_d_plan", "14_expert_dispatch"]
 
 
 @pytest.fixture(scope="module")
 def graded(tmp_path_factory) -> dict:
-    """The verdicts on every exercise with a NameError on rank 1 and with rank 1 stuck in its first
-    answer, on a misspelled import and on a collective called by rank 0 only:
+    """The verdicts on every exercise with a NameError on rank 1, on those of ``HANGS`` with rank 1 stuck
+    in its first answer, on a misspelled import and on a collective called by rank 0 only:
     {("name error" | "hang" | "stall" | "import" | "one rank", exercise): ((path, line), verdict, seconds)}.
 
     In a "hang" the process group's own timeout fires (``COLLECTIVE_S``, set the way a grader sets
@@ -96,7 +105,7 @@ def graded(tmp_path_factory) -> dict:
         return verdict, time.monotonic() - start
 
     tmp = tmp_path_factory.mktemp("wrong")
-    hangs = {("hang", name): attempt(tmp / "hang", name, HANG_LINE) for name in EXERCISES}
+    hangs = {("hang", name): attempt(tmp / "hang", name, HANG_LINE) for name in HANGS}
     path04 = hangs["hang", "04_ddp_convert"][0]
     hangs["stall", "04_ddp_convert"] = attempt(tmp / "stall", "04_ddp_convert", HANG_LINE)
     (tmp / "send_first").mkdir()
@@ -153,6 +162,27 @@ def test_a_syntax_error_is_reported_before_any_process_starts(tmp_path, monkeypa
     assert frame(path, n) in msg and "^" in msg, msg
 
 
+def test_every_exercise_without_a_hang_attempt_is_graded_as_one_with_one():
+    """What makes a hang end with every rank's line is shared: the grader's collective timeout, read by
+    ``dist.setup``, and its stall watch and report, in ``check.run_exercise``. An exercise left out of
+    ``HANGS`` must reach both the way 01 does: its script joins through ``setup(`` (never by
+    ``init_process_group``), its answers build no group or mesh, and its grader launches it by ``run_exercise``."""
+    import importlib
+    import inspect
+
+    root = Path(check.__file__).parents[2]
+    assert set(HANGS) <= set(EXERCISES)
+    for name, ex in exercises().items():
+        if name in HANGS:
+            continue
+        script = (root / "solutions" / "exercises" / ex.script).read_text(encoding="utf-8")
+        answers = "".join(re.findall(r"#\s*BEGIN SOLUTION\b(.*?)#\s*END SOLUTION\b", script, flags=re.S))
+        assert answers and re.search(r"\bsetup\(", script) and "init_process_group" not in script, name
+        assert "init_device_mesh" not in answers and "new_group" not in answers, name  # no group built in an answer
+        grader = inspect.getsource(importlib.import_module(ex.module))
+        assert "run_exercise(" in grader and not re.search(r"(?<![\w.])run\(", grader), name
+
+
 def _no_process_left(path: Path) -> list[int]:
     return [pid for pid in map(int, filter(str.isdigit, os.listdir("/proc")))
             if str(path).encode() in _cmdline(pid)] if Path("/proc").is_dir() else []
@@ -164,7 +194,7 @@ def _no_process_left(path: Path) -> list[int]:
 STALLS_FIRST = {"13_two_d_plan"}
 
 
-@pytest.mark.parametrize("name", [n for n in EXERCISES if n not in STALLS_FIRST])
+@pytest.mark.parametrize("name", [n for n in HANGS if n not in STALLS_FIRST])
 def test_a_rank_that_never_arrives_when_the_collective_times_out_shows_every_ranks_line(graded, name):
     """Rank 1 never reaches the collective; the other ranks' process group gives up: the verdict shows
     the line each of them raised at, and rank 1's own line, taken before torchrun stopped it."""

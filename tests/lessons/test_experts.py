@@ -1,8 +1,9 @@
 """Lesson 14's mixture of experts: the expert-parallel layer trains as one process does, drops the same
 token-slots, and sends exactly the rows and bytes the routers' choices predict.
 
-One launch of ``moe_lab`` at 4 ranks (the notebook's run of the lab's defaults when this session has it)
-feeds the tests that take ``lab``; the others run the one-process layer in this process, on hand-made
+The lab at 4 ranks feeds the tests that take ``lab`` (its parity runs) and at 2 ranks those that take
+``trained`` (its training runs): the notebook's runs when this session has them. The others run the
+one-process layer in this process, on hand-made
 routings small enough to check by hand.
 """
 
@@ -23,16 +24,29 @@ from ddp_course.launch import run
 from ddp_course.model import GPTConfig
 
 LAB = "ddp_course.course.l14_sequences_and_experts.moe_lab"
-FLAGS = {"train_steps": 40}  # enough steps for the collapse without the auxiliary loss; the notebook runs 200
+TRAIN = {"train_steps": 40}  # enough steps for the collapse without the auxiliary loss; the notebook runs 200
+
+
+def _lab(tmp_path_factory, nproc: int, flags: dict, own_flags: dict) -> dict:
+    """The lab on ``nproc`` ranks: lesson 14's run with ``flags`` when this session has it, else a run of
+    its own with ``own_flags``."""
+    job = notebook_runs.reuse(f"runs/14_moe{'_2' if nproc == 2 else ''}", LAB, nproc, **flags)
+    if job is None:
+        job = run(LAB, nproc=nproc, out_dir=tmp_path_factory.mktemp(f"moe_lab_{nproc}"), timeout=240,
+                  progress=False, echo="none", **own_flags)
+    return json.loads((job.out_dir / "moe_lab.json").read_text(encoding="utf-8"))
 
 
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory):
-    job = notebook_runs.reuse("runs/14_moe", LAB, 4)
-    if job is None:
-        job = run(LAB, nproc=4, out_dir=tmp_path_factory.mktemp("moe_lab"), timeout=240, progress=False, echo="none",
-                  **FLAGS)
-    return json.loads((job.out_dir / "moe_lab.json").read_text(encoding="utf-8"))
+    """The parity runs on 4 ranks (the notebook's launch trains nothing more)."""
+    return _lab(tmp_path_factory, 4, {"train_steps": 0}, {"train_steps": 0})
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """The 2-rank lab, which also trains for the balance (lesson 14, section 12)."""
+    return _lab(tmp_path_factory, 2, {}, TRAIN)
 
 
 # --- the lab at 4 ranks ---------------------------------------------------------------------------------------
@@ -82,7 +96,8 @@ def test_rows_and_bytes_equal_what_the_routers_predict(lab):
 
 
 @pytest.mark.timeout(300)
-def test_training_records_the_balance_and_the_aux_loss_evens_it(lab):
+def test_training_records_the_balance_and_the_aux_loss_evens_it(trained):
+    lab = trained
     runs = lab["training"]
     none, aux = runs["aux_coef=0"], runs[f"aux_coef={lab['options']['aux_coef']:g}"]
     steps = lab["options"]["train_steps"]
@@ -91,16 +106,17 @@ def test_training_records_the_balance_and_the_aux_loss_evens_it(lab):
         assert all(1 <= x <= r["n_experts"] / r["top_k"] for x in r["imbalance"])
     # without the auxiliary loss the routers collapse: some rank's experts get no row at all in a block,
     # and the job still finishes (the empty rank takes part in every backward exchange)
-    per_rank = lab["options"]["n_experts"] // 4
+    ranks = lab["world_size"]
+    per_rank = lab["options"]["n_experts"] // ranks
     assert any(sum(layer[r * per_rank:(r + 1) * per_rank]) == 0 for step in none["tokens_per_expert"]
-               for layer in step for r in range(4))
+               for layer in step for r in range(ranks))
     assert aux["last"]["imbalance"] < none["last"]["imbalance"]
     assert aux["last"]["dropped_fraction"] < none["last"]["dropped_fraction"]
     assert aux["last"]["aux"] < none["last"]["aux"]
 
 
 @pytest.mark.timeout(60)
-def test_the_balance_figure_draws_the_lab_data(lab):
+def test_the_balance_figure_draws_the_lab_data(trained):
     import matplotlib
 
     matplotlib.use("Agg")
@@ -108,8 +124,8 @@ def test_the_balance_figure_draws_the_lab_data(lab):
 
     from ddp_course.course.l14_sequences_and_experts.figures import moe_balance, running_mean
 
-    fig = moe_balance(lab["training"])
-    assert len(fig.axes) == 2 and len(fig.axes[0].lines) == 2 * len(lab["training"]) + 2
+    fig = moe_balance(trained["training"])
+    assert len(fig.axes) == 2 and len(fig.axes[0].lines) == 2 * len(trained["training"]) + 2
     plt.close(fig)
     assert running_mean([1, 3, 5, 7], 2) == [1, 2, 4, 6]
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import time
 
+import notebook_runs
 import pytest
 
 from ddp_course.launch import run
@@ -75,20 +76,26 @@ def test_chunks_puts_the_leftover_in_a_last_shorter_step():
 
 @pytest.mark.timeout(150)
 def test_bench_times_both_modes_and_checks_the_counts(tmp_path):
+    """On 2 ranks, K = 1 and 4: lesson 06's run of the bench (K = 1, 2, 4, 8 on 1 and 2 processes) when
+    it ran in this session, else a short run of its own."""
     from ddp_course.course.l06_grad_accumulation import bench_no_sync
 
-    res = bench_no_sync.bench(ks="1,4", world_sizes="2", rounds=1, steps=1, warmup=0, n_layer=1, n_embd=32, n_head=2,
-                        micro_batch_size=2, timeout_s=120, out=tmp_path)
-    on_disk = json.loads((tmp_path / "no_sync.json").read_text())
-    assert on_disk["jobs"][0]["rows"] == res["jobs"][0]["rows"]
-    (job,) = on_disk["jobs"]
-    assert job["world_size"] == 2 and job["backend"] == "gloo"
+    lesson = notebook_runs.folder("runs/06_bench")
+    if lesson is not None and notebook_runs.fresh(lesson / "no_sync.json"):
+        on_disk = json.loads((lesson / "no_sync.json").read_text())
+    else:
+        res = bench_no_sync.bench(ks="1,4", world_sizes="2", rounds=1, steps=1, warmup=0, n_layer=1, n_embd=32,
+                                  n_head=2, micro_batch_size=2, timeout_s=120, out=tmp_path)
+        on_disk = json.loads((tmp_path / "no_sync.json").read_text())
+        assert on_disk["jobs"] == res["jobs"]
+    (job,) = [j for j in on_disk["jobs"] if j["world_size"] == 2]
+    assert job["backend"] == "gloo"
     b = job["n_buckets"]
     for k in (1, 4):  # the same-work check the bench made before timing, kept in its output
         assert job["counts"][f"{k}/no_sync"]["bucket_all_reduces"] == b
         assert job["counts"][f"{k}/sync"]["bucket_all_reduces"] == k * b
         assert job["counts"][f"{k}/no_sync"]["synced_micro_steps"] == [k - 1]
-    assert [r["k"] for r in job["rows"]] == [1, 4]
+    assert {1, 4} <= {r["k"] for r in job["rows"]}
     for r in job["rows"]:
         assert 0 < r["no_sync_s"] < 60 and 0 < r["sync_s"] < 60
         assert r["predicted_saved_s"] == pytest.approx((r["k"] - 1) * job["allreduce_s"])

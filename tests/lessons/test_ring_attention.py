@@ -86,7 +86,7 @@ def test_no_rank_holds_the_score_matrix(lab):
 def test_minigpt_on_the_ring_trains_like_one_process(lab):
     f64, f32 = lab["training"]["float64"], lab["training"]["float32"]
     assert len(f64["loss_rel_diff"]) == lab["options"]["steps"] >= 200
-    assert max(f64["loss_rel_diff"]) <= 1e-11  # rounding of float64 only (1.1e-13 measured)
+    assert max(f64["loss_rel_diff"]) <= 1e-11  # rounding of float64 only (1.5e-13 measured, a ring of 2)
     assert f32["loss_rel_diff"][0] <= lab["parity_rtol"]  # the same weights: the first loss is one forward's rounding
     # every parameter's first gradient: the ranks' shares sum to one process's (a mean taken twice would not)
     assert len(f64["first_grad_rel_err"]) == len(f32["first_grad_rel_err"]) > 20

@@ -43,7 +43,7 @@ def ring_training(training: dict[str, Any]):
     f32 = training["float32"]
     steps = range(1, len(f32["ring_losses"]) + 1)
     loss_ax.plot(steps, f32["reference_losses"], color="k", lw=2.5, alpha=0.35, label="one process")
-    loss_ax.plot(steps, f32["ring_losses"], color="C0", lw=1, label="ring (4 ranks, zigzag)")
+    loss_ax.plot(steps, f32["ring_losses"], color="C0", lw=1, label=f"ring ({f32.get('ring_ranks', 4)} ranks, zigzag)")
     loss_ax.set_ylabel("training loss")
     for i, (name, run) in enumerate(training.items()):
         diff_ax.plot(steps, [max(d, 1e-17) for d in run["loss_rel_diff"]], color=f"C{i + 1}", lw=1, label=name)
