@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import ModuleType
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import pytest
 
@@ -189,3 +189,10 @@ def grade_in_pairs(grade: Callable[[Path], object], attempts: dict[str, Path], a
     with ThreadPoolExecutor(max_workers=2) as pool:
         found.update(zip(names[alone:], pool.map(lambda name: grade(attempts[name]), names[alone:])))
     return found
+
+
+def rejected_and_named(verdict: Any, phrases: Sequence[str]) -> None:
+    """A grader's verdict on a classic mistake: a failure whose message says every one of ``phrases``."""
+    assert not verdict.ok, verdict.message
+    missing = [p for p in phrases if p not in verdict.message]
+    assert not missing, f"the verdict does not say {missing}:\n{verdict.message}"

@@ -31,6 +31,15 @@ class GradedRun(Verdict):
     records: list[dict] = dataclasses.field(default_factory=list, repr=False)
 
 
+def judged(found: list[dict] | Verdict, diagnose: Callable[[list[dict]], Verdict]) -> Verdict:
+    """A grader's last step: ``run_exercise``'s failing verdict as it is, else ``diagnose(found)`` with
+    the job's records kept (a ``GradedRun``), for the notebook cells that show what the run measured."""
+    if isinstance(found, Verdict):
+        return found
+    verdict = diagnose(found)
+    return GradedRun(verdict.ok, verdict.message, found)
+
+
 def graded_records(verdict: Verdict, what: str) -> list[dict]:
     """The records of a graded run (a ``GradedRun``'s), for a notebook cell that shows them; a
     ``ValueError`` that says what to do when there are none. ``what`` names the missing run, e.g.

@@ -2,11 +2,13 @@
 
 - :func:`require_device`: refuse a ``--device`` this machine cannot give as bad input (exit code 2
   through ``@command``), before any process group is made.
+- :func:`write_result`: a lab's last step, its JSON written by rank 0, every rank waiting for it.
 """
 
 from __future__ import annotations
 
 import os
+from typing import Any
 
 from ddp_course.cli import FlagError
 
@@ -20,3 +22,21 @@ def require_device(device: str) -> None:
         choose_device(device, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
     except DeviceError as exc:
         raise FlagError(str(exc)) from None
+
+
+def write_result(info: Any, out_dir: str, name: str, result: dict[str, Any], note: str = "") -> None:
+    """Rank 0 writes ``out_dir/<name>.json`` and says so (``[<name>] wrote <path><note>``); then every rank
+    waits at a barrier, so that no rank leaves the process group before the file is whole."""
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    from ddp_course.dist import log
+    from ddp_course.metrics import write_json
+    from ddp_course.paths import show
+
+    if info.is_main:
+        path = Path(out_dir) / f"{name}.json"
+        write_json(path, result)
+        log(f"[{name}] wrote {show(path)}{note}")
+    dist.barrier()

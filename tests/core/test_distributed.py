@@ -68,6 +68,12 @@ def _train_cfg() -> TrainConfig:
     return TrainConfig(strategy="ddp", lr=1e-2, weight_decay=0.1, grad_clip=1.0)
 
 
+def _each_rank(worker, tmp_path: Path) -> list:
+    """Run ``worker(rank, port, out)`` on WORLD spawned ranks; what each saved in ``out/rank<r>.pt``."""
+    spawn(worker, (free_port(), str(tmp_path)), WORLD)
+    return [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
+
+
 # --- (a) a DDP step equals the single-process step on the concatenated batch --------------------------
 
 STEPS = 6
@@ -102,8 +108,7 @@ def _ddp_steps_worker(rank: int, port: int, out: str) -> None:
 
 @pytest.mark.timeout(150)
 def test_ddp_steps_equal_single_process_steps_on_the_concatenated_batch(tmp_path):
-    spawn(_ddp_steps_worker, (free_port(), str(tmp_path)), WORLD)
-    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
+    ranks = _each_rank(_ddp_steps_worker, tmp_path)
 
     cfg = _train_cfg().replace(strategy="single")
     model = _model()
@@ -207,8 +212,7 @@ def _accum_worker(rank: int, port: int, out: str) -> None:
 
 @pytest.mark.timeout(150)
 def test_no_sync_accumulation_gradients_and_all_reduce_counts(tmp_path):
-    spawn(_accum_worker, (free_port(), str(tmp_path)), WORLD)
-    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
+    ranks = _each_rank(_accum_worker, tmp_path)
 
     model = _model()
     x, y = _global_batch(0, WORLD * K * MICRO)  # all K x WORLD micro-batches as one batch

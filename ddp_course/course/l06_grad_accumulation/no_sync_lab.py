@@ -30,7 +30,6 @@ from __future__ import annotations
 import contextlib
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -38,11 +37,9 @@ import torch.distributed as dist
 
 from ddp_course import parallel
 from ddp_course.cli import FlagError, command, parse_flags
-from ddp_course.course.options import require_device
+from ddp_course.course.options import require_device, write_result
 from ddp_course.course.tiny import AllReduceCounter, micro_batch, reference_gradient, tiny_model
 from ddp_course.dist import log, setup
-from ddp_course.metrics import write_json
-from ddp_course.paths import show
 
 PROG = "torchrun --standalone --nproc_per_node=2 -m ddp_course.course.l06_grad_accumulation.no_sync_lab"
 
@@ -264,11 +261,7 @@ def main(argv: list[str]) -> int:
                "k": opts["k"], "n_micro": opts["n_micro"],
                "steps": steps, "n_buckets": n_buckets, "grad_rtol": GRAD_RTOL, "options": opts,
                "n_params": n_params, "variants": results}
-        if info.is_main:
-            path = Path(opts["out_dir"]) / "no_sync_lab.json"
-            write_json(path, out)
-            log(f"[no_sync_lab] wrote {show(path)}")
-        dist.barrier()
+        write_result(info, opts["out_dir"], "no_sync_lab", out)
     return 0
 
 

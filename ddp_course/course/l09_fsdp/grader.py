@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ddp_course.check import GradedRun, Verdict, run_exercise
+from ddp_course.check import Verdict, judged, run_exercise
 from ddp_course.check.reference import harness_constants
 
 EXERCISE = "09_fsdp.py"  # the script this grades: lessons/exercises/09_fsdp.py
@@ -158,8 +158,6 @@ def collect(path: str | Path, timeout: float = 180) -> list[dict] | Verdict:
 def grade(path: str | Path, timeout: float = 180) -> Verdict:
     """Run the script on 2 ranks, then compare with the grader's own one-process reference."""
     found = collect(path, timeout)
-    if isinstance(found, Verdict):
-        return found
     constants = harness_constants(path)
-    verdict = diagnose(found, reference_norms(constants), constants["LR"], forward_budget(constants))
-    return GradedRun(verdict.ok, verdict.message, found)  # what the job measured, kept with the verdict
+    return judged(found, lambda rows: diagnose(rows, reference_norms(constants), constants["LR"],
+                                               forward_budget(constants)))

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ddp_course.check import GradedRun, Nearest, Verdict, nearest, run_exercise
+from ddp_course.check import GradedRun, Nearest, Verdict, judged, nearest, run_exercise
 from ddp_course.check.reference import harness_constants
 from ddp_course.course.l09_fsdp.grader import NORM_RTOL, reference_norms
 
@@ -443,7 +443,4 @@ def grade(path: str | Path, timeout: float = 180) -> GradedRun:
     if problem:
         return GradedRun(False, problem)
     found = collect(path, timeout)
-    if isinstance(found, Verdict):
-        return GradedRun(found.ok, found.message)
-    verdict = diagnose(found, **references(path))
-    return GradedRun(verdict.ok, verdict.message, found)
+    return judged(found, lambda rows: diagnose(rows, **references(path)))

@@ -28,7 +28,7 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
-from ddp_course.check import GradedRun, Verdict, graded_records, last_lines, run_exercise
+from ddp_course.check import GradedRun, Verdict, graded_records, judged, last_lines, run_exercise
 
 NPROC = 2
 EXERCISE = "10_dataloader.py"
@@ -270,7 +270,4 @@ def grade(path: str | Path, timeout: float = 120) -> GradedRun:
     timings a notebook shows beside it, from the same job.
     """
     found = collect(path, timeout)
-    if isinstance(found, Verdict):
-        return GradedRun(found.ok, found.message)
-    verdict = diagnose(found)
-    return GradedRun(verdict.ok, verdict.message, found)
+    return judged(found, diagnose)

@@ -46,7 +46,6 @@ from __future__ import annotations
 import statistics
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -55,12 +54,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ddp_course.cli import FlagError, command, number_list, parse_flags
-from ddp_course.course.options import require_device
+from ddp_course.course.options import require_device, write_result
 from ddp_course.data import CharTokenizer, load_corpus
 from ddp_course.dist import log, setup
-from ddp_course.metrics import environment, load_average, write_json
+from ddp_course.metrics import environment, load_average
 from ddp_course.model import GPTConfig, MiniGPT
-from ddp_course.paths import show
 
 PROG = "torchrun --standalone --nproc_per_node=2 -m ddp_course.course.l11_beyond_data_parallel.pp_lab"
 
@@ -339,7 +337,12 @@ def optimizer(params, lr: float) -> torch.optim.Optimizer:
 def reference_run(opts: dict[str, Any], vocab: int, data: list, device: torch.device) -> dict[str, Any]:
     """One process, the whole model, the whole batch: losses, first-step gradients, final weights."""
     model = build_model(opts, vocab, device)
-    opt = optimizer(model.parameters(), opts["lr"])
+    return one_process(model, optimizer(model.parameters(), opts["lr"]), data)
+
+
+def one_process(model: torch.nn.Module, opt: torch.optim.Optimizer, data: list) -> dict[str, Any]:
+    """Train ``model`` on each ``(x, y)`` of ``data`` in turn: each step's loss, the first step's
+    gradients and the final weights, by parameter name (lesson 13's reference too)."""
     losses, grads = [], None
     for x, y in data:
         _, loss = model(x, y)
@@ -635,11 +638,7 @@ def main(argv: list[str]) -> int:
                "parity": par, "bubble": bub, "library": lib,
                "seconds": {"parity": t_parity, "bubble": t_bubble, "library": t_lib},
                "load_average": load_average(), "environment": environment()}
-        if info.is_main:
-            path = Path(opts["out_dir"]) / "pp_lab.json"
-            write_json(path, out)
-            log(f"[pp_lab] wrote {show(path)}")
-        dist.barrier()
+        write_result(info, opts["out_dir"], "pp_lab", out)
     return 0
 
 

@@ -22,10 +22,11 @@ twice), a sequence-parallel norm whose output the next layer does not gather, th
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from ddp_course.check import GradedRun, Verdict, run_exercise
+from ddp_course.check import Verdict, judged, run_exercise
 
 EXERCISE = "13_two_d_plan.py"  # the script this grades: lessons/exercises/13_two_d_plan.py
 NPROC = 4
@@ -79,61 +80,60 @@ def layout_problem(records: list[dict[str, Any]]) -> str | None:
     return _output_problem(sorted(records, key=lambda r: -r["module"].count(".")))
 
 
-def _input_problem(records: list[dict[str, Any]]) -> str | None:
+def _planned(records: list[dict[str, Any]], side: str) -> Iterator[tuple[str, str, dict, str, str]]:
+    """Each record whose ``side`` ("input" or "output") was seen and has a place in the plan: (module, its
+    short name, the layout seen, what it holds, what the plan wants)."""
     for r in records:
         module = r["module"]
-        want_in, want_out = PLAN.get(module, (None, None))
-        name = SHORT.get(module, module)
-        lin = r.get("input")
-        if lin is not None and want_in is not None:
-            got = _holds(lin)
-            if module.endswith(("ln1", "ln2")) or module == "ln_f":
-                if not lin["dtensor"]:
-                    return (f"{name} normalises a slice of the sequence as a plain module: without SequenceParallel its "
-                            "weight and bias are not replicated over tp, so their gradients come from this rank's "
-                            "tokens only. Give every LayerNorm SequenceParallel().")
-            if got != want_in:
-                if module.endswith((".attn", ".mlp")):
-                    why = ("attention mixes the tokens, and each rank's heads need every one" if name == "attn" else
-                           "each rank computes its hidden units for every token, and its proj then sums them and cuts "
-                           "the sequence")
-                    return (f"{name} receives {got}, but it needs {want_in}: {why}. Gather the sequence before it: "
-                            f"PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)) on {name}.")
-                if module.endswith((".qkv", ".fc")):
-                    taken = " and treats it as the whole (a local slice declared Replicate)" if lin["placements"] == ["R"] else ""
-                    return (f"{name} receives {got}{taken}: a column-wise layer needs the whole sequence. Gather it "
-                            f"before the {'attention' if 'attn' in name else 'MLP'} (PrepareModuleInput(Shard(1) -> "
-                            "Replicate)), and keep SequenceParallel's output a DTensor (its default).")
-                if module == "blocks.0":
-                    return ("the first block receives the whole sequence, but the residual stream between blocks is "
-                            "sequence-parallel: cut it at the first block's input, PrepareModuleInput(input_layouts="
-                            "(Replicate(),), desired_input_layouts=(Shard(1),), use_local_output=True) on blocks.0.")
-                if module == "head":
-                    return ("the head receives a slice of the sequence: the logits need every token. Gather it: "
-                            "PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)) on head.")
-                return f"{name} receives {got} where the plan has {want_in}."
+        want = PLAN.get(module, (None, None))[0 if side == "input" else 1]
+        seen = r.get(side)
+        if seen is not None and want is not None:
+            yield module, SHORT.get(module, module), seen, _holds(seen), want
+
+
+def _input_problem(records: list[dict[str, Any]]) -> str | None:
+    for module, name, lin, got, want_in in _planned(records, "input"):
+        if module.endswith(("ln1", "ln2")) or module == "ln_f":
+            if not lin["dtensor"]:
+                return (f"{name} normalises a slice of the sequence as a plain module: without SequenceParallel its "
+                        "weight and bias are not replicated over tp, so their gradients come from this rank's "
+                        "tokens only. Give every LayerNorm SequenceParallel().")
+        if got != want_in:
+            if module.endswith((".attn", ".mlp")):
+                why = ("attention mixes the tokens, and each rank's heads need every one" if name == "attn" else
+                       "each rank computes its hidden units for every token, and its proj then sums them and cuts "
+                       "the sequence")
+                return (f"{name} receives {got}, but it needs {want_in}: {why}. Gather the sequence before it: "
+                        f"PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)) on {name}.")
+            if module.endswith((".qkv", ".fc")):
+                taken = " and treats it as the whole (a local slice declared Replicate)" if lin["placements"] == ["R"] else ""
+                return (f"{name} receives {got}{taken}: a column-wise layer needs the whole sequence. Gather it "
+                        f"before the {'attention' if 'attn' in name else 'MLP'} (PrepareModuleInput(Shard(1) -> "
+                        "Replicate)), and keep SequenceParallel's output a DTensor (its default).")
+            if module == "blocks.0":
+                return ("the first block receives the whole sequence, but the residual stream between blocks is "
+                        "sequence-parallel: cut it at the first block's input, PrepareModuleInput(input_layouts="
+                        "(Replicate(),), desired_input_layouts=(Shard(1),), use_local_output=True) on blocks.0.")
+            if module == "head":
+                return ("the head receives a slice of the sequence: the logits need every token. Gather it: "
+                        "PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)) on head.")
+            return f"{name} receives {got} where the plan has {want_in}."
     return None
 
 
 def _output_problem(records: list[dict[str, Any]]) -> str | None:
-    for r in records:
-        module = r["module"]
-        want_in, want_out = PLAN.get(module, (None, None))
-        name = SHORT.get(module, module)
-        lout = r.get("output")
-        if lout is not None and want_out is not None:
-            got = _holds(lout)
-            if got != want_out:
-                if module.endswith(".proj") and got == WHOLE:
-                    return (f"{name} hands on the whole sequence where the residual stream holds a slice: a row-wise "
-                            "layer's output is a partial sum on each rank, and it must be summed over tp *and* cut back "
-                            "onto the sequence. RowwiseParallel(output_layouts=Shard(1)) does both (a reduce-scatter); "
-                            "RowwiseParallel() all-reduces it to the whole sequence, and output_layouts=Partial() leaves "
-                            "the sum undone.")
-                if module.endswith((".attn", ".mlp")) and got not in (WHOLE, SLICE):
-                    return (f"{name}'s output holds {got}: it was reduced and cut onto the sequence twice. "
-                            "RowwiseParallel(output_layouts=Shard(1)) on its proj already does it; drop the second one.")
-                return f"{name}'s output holds {got} where the plan has {want_out}."
+    for module, name, _, got, want_out in _planned(records, "output"):
+        if got != want_out:
+            if module.endswith(".proj") and got == WHOLE:
+                return (f"{name} hands on the whole sequence where the residual stream holds a slice: a row-wise "
+                        "layer's output is a partial sum on each rank, and it must be summed over tp *and* cut back "
+                        "onto the sequence. RowwiseParallel(output_layouts=Shard(1)) does both (a reduce-scatter); "
+                        "RowwiseParallel() all-reduces it to the whole sequence, and output_layouts=Partial() leaves "
+                        "the sum undone.")
+            if module.endswith((".attn", ".mlp")) and got not in (WHOLE, SLICE):
+                return (f"{name}'s output holds {got}: it was reduced and cut onto the sequence twice. "
+                        "RowwiseParallel(output_layouts=Shard(1)) on its proj already does it; drop the second one.")
+            return f"{name}'s output holds {got} where the plan has {want_out}."
     return None
 
 
@@ -276,7 +276,4 @@ def expected(path: str | Path) -> dict[str, dict[str, int]]:
 def grade(path: str | Path, timeout: float = 240) -> Verdict:
     """Run the script on 4 ranks; judge its numbers, its placements and its collectives."""
     found = run_exercise(path, NPROC, "make_mesh() and parallelize()", timeout, hint=hint)
-    if isinstance(found, Verdict):
-        return found
-    verdict = diagnose(found, expected(path))
-    return GradedRun(verdict.ok, verdict.message, found)
+    return judged(found, lambda rows: diagnose(rows, expected(path)))

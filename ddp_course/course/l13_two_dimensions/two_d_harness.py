@@ -23,6 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ddp_course.course.l05_inside_ddp.ddp_common import collective_kind
 from ddp_course.course.l09_fsdp import memory
+from ddp_course.course.l11_beyond_data_parallel.pp_lab import one_process
 from ddp_course.dist import log
 from ddp_course.parallel import _tensor_parallel as tp_plan
 
@@ -90,17 +91,7 @@ def rel(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 
 def reference(model: nn.Module, data: list, lr: float) -> dict[str, Any]:
     """One process, the whole global batch: losses, the first step's gradients, the final weights."""
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, foreach=False)
-    losses, grads = [], None
-    for x, y in data:
-        _, loss = model(x, y)
-        loss.backward()
-        if grads is None:
-            grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-    return {"losses": losses, "grads": grads, "weights": {n: p.detach().clone() for n, p in model.named_parameters()}}
+    return one_process(model, torch.optim.AdamW(model.parameters(), lr=lr, foreach=False), data)
 
 
 def global_batches(vocab: int, block_size: int, batch_size: int, steps: int, seed: int) -> list:

@@ -28,7 +28,6 @@ from __future__ import annotations
 import contextlib
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -42,11 +41,10 @@ from ddp_course.course.l13_two_dimensions.two_d_harness import (
     UPDATE_RTOL,
     train_side_by_side,
 )
+from ddp_course.course.options import write_result
 from ddp_course.dist import log, setup
-from ddp_course.metrics import write_json
 from ddp_course.model import GPTConfig, MiniGPT
 from ddp_course.parallel import _tensor_parallel as tp_plan
-from ddp_course.paths import show
 
 PROG = "torchrun --standalone --nproc_per_node=4 -m ddp_course.course.l13_two_dimensions.two_d_lab"
 DEFAULTS: dict[str, Any] = {
@@ -158,11 +156,7 @@ def main(argv: list[str]) -> int:
                "variants": results,
                "tolerances": {"loss_rtol": LOSS_RTOL, "grad_rtol": GRAD_RTOL, "update_rtol": UPDATE_RTOL},
                "seconds": time.perf_counter() - t0}
-        if info.is_main:
-            path = Path(opts["out_dir"]) / "two_d_lab.json"
-            write_json(path, out)
-            log(f"[two_d_lab] wrote {show(path)}")
-        dist.barrier()
+        write_result(info, opts["out_dir"], "two_d_lab", out)
     return 0
 
 

@@ -17,7 +17,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from ddp_course.check import GradedRun, Verdict, run_exercise
+from ddp_course.check import Verdict, judged, run_exercise
 from ddp_course.course.l14_sequences_and_experts.ring_harness import MISTAKES, RTOL
 
 EXERCISE = "14_ring_attention.py"  # the script this grades: lessons/exercises/14_ring_attention.py
@@ -74,7 +74,4 @@ def diagnose(found: list[dict[str, Any]]) -> Verdict:
 def grade(path: str | Path, timeout: float = 180) -> Verdict:
     """Run the script on 4 ranks; judge its outputs against one process and the classic mistakes."""
     found = run_exercise(path, NPROC, "pass_on(), block_scores() and merge()", timeout, hint=hint)
-    if isinstance(found, Verdict):
-        return found
-    verdict = diagnose(found)
-    return GradedRun(verdict.ok, verdict.message, found)
+    return judged(found, diagnose)

@@ -28,7 +28,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ddp_course.check import GradedRun, Verdict, nearest, run_exercise
+from ddp_course.check import Verdict, judged, nearest, run_exercise
 
 EXERCISE = "14_expert_dispatch.py"  # the script this grades: lessons/exercises/14_expert_dispatch.py
 NPROC = 4
@@ -372,7 +372,4 @@ def hint(output: str) -> str:
 def grade(path: str | Path, timeout: float = 180) -> Verdict:
     """Run the script on 4 ranks; judge its rows, its losses and its gradients."""
     found = run_exercise(path, NPROC, "dispatch(), combine() and sync_gradients()", timeout, hint=hint)
-    if isinstance(found, Verdict):
-        return found
-    verdict = diagnose(found, references(path))
-    return GradedRun(verdict.ok, verdict.message, found)
+    return judged(found, lambda rows: diagnose(rows, references(path)))

@@ -23,7 +23,6 @@ from __future__ import annotations
 import os
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -32,9 +31,8 @@ import torch.distributed as dist
 from ddp_course.cli import FlagError, command, parse_flags
 from ddp_course.course.l11_beyond_data_parallel.tp_lab import same_batches  # global batches of the corpus
 from ddp_course.course.l14_sequences_and_experts import experts as moe
+from ddp_course.course.options import write_result
 from ddp_course.dist import DistInfo, log, setup
-from ddp_course.metrics import write_json
-from ddp_course.paths import show
 
 PROG = "torchrun --standalone --nproc_per_node=4 -m ddp_course.course.l14_sequences_and_experts.moe_lab"
 DEFAULTS: dict[str, Any] = {
@@ -294,12 +292,8 @@ def main(argv: list[str]) -> int:
                "parity_seconds": t_parity, "training_seconds": time.perf_counter() - t0 - t_parity,
                "tolerances": {"loss_rtol": LOSS_RTOL, "grad_rtol": GRAD_RTOL, "update_rtol": UPDATE_RTOL,
                               "fp64_rtol": FP64_RTOL}}
-        if info.is_main:
-            path = Path(opts["out_dir"]) / "moe_lab.json"
-            write_json(path, out)
-            log(f"[moe_lab] wrote {show(path)} in {out['seconds']:.1f} s (parity {t_parity:.1f} s, training "
-                f"{out['training_seconds']:.1f} s)")
-        dist.barrier()
+        write_result(info, opts["out_dir"], "moe_lab", out, f" in {out['seconds']:.1f} s (parity {t_parity:.1f} s, "
+                     f"training {out['training_seconds']:.1f} s)")
     return 0
 
 

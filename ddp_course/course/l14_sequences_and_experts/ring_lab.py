@@ -26,7 +26,6 @@ import statistics
 import sys
 import time
 import weakref
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -39,10 +38,9 @@ from ddp_course.cli import FlagError, command, parse_flags
 from ddp_course.course.l11_beyond_data_parallel.tp_lab import same_batches  # --steps batches of the corpus
 from ddp_course.course.l14_sequences_and_experts import context_parallel as cp
 from ddp_course.course.l14_sequences_and_experts import ring as R
+from ddp_course.course.options import write_result
 from ddp_course.dist import log, seeded, setup
-from ddp_course.metrics import write_json
 from ddp_course.model import GPTConfig, MiniGPT
-from ddp_course.paths import show
 
 PROG = "torchrun --standalone --nproc_per_node=4 -m ddp_course.course.l14_sequences_and_experts.ring_lab"
 DEFAULTS: dict[str, Any] = {
@@ -294,11 +292,7 @@ def main(argv: list[str]) -> int:
                     f"{ring_l[-1]:.4f}; largest relative difference from one process {max(diff):.1e}; first "
                     f"step's gradients {max(grads.values()):.1e} (worst of {len(grads)} parameters)")
         results["seconds"] = time.perf_counter() - t0
-        if info.is_main:
-            path = Path(opts["out_dir"]) / "ring_lab.json"
-            write_json(path, results)
-            log(f"[ring_lab] wrote {show(path)} ({results['seconds']:.0f} s)")
-        dist.barrier()
+        write_result(info, opts["out_dir"], "ring_lab", results, f" ({results['seconds']:.0f} s)")
     return 0
 
 
