@@ -65,8 +65,10 @@ RANK0_RNG = ("    if info.rank == 0:\n"
 
 @pytest.fixture(scope="module")
 def mistakes(tmp_path_factory) -> dict:
-    """{mistake: verdict}, graded two jobs at a time (``harness.grade_in_pairs``). "remove first" runs
-    the grader's kill-during-save check alone: it is the part that tells that mistake apart."""
+    """{mistake: verdict}, graded two jobs at a time (``harness.grade_in_pairs``). "straight" goes through
+    the whole grader (the exact resume, then the kill during a save); the others run only the part of it
+    that tells them apart: "remove first" the kill-during-save job, "rank 0 rng" the crash-and-restart job
+    (the grader runs the kill job beside it and reads it only when the resume is exact)."""
     tmp = tmp_path_factory.mktemp("ex08")
     attempts = {}
     for name, body in (("straight", STRAIGHT), ("remove first", REMOVE_FIRST), ("rank 0 rng", RANK0_RNG)):
@@ -77,6 +79,8 @@ def mistakes(tmp_path_factory) -> dict:
     def grade(path: Path):
         if path == attempts["remove first"]:
             return grader._kill_during_save(path, path.parent / "scratch", timeout=120)
+        if path == attempts["rank 0 rng"]:
+            return grader._crash_and_restart(path, path.parent / "crash", timeout=180)
         return grader.grade(path, timeout=180)
 
     return grade_in_pairs(grade, attempts)
