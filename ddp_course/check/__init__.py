@@ -17,7 +17,7 @@ from ddp_course.check.progress import inline_exercises as notebook_exercises
 from ddp_course.check.progress import listing
 from ddp_course.check.records import (
     RECORD_KEEP,
-    _graded_and_recorded,
+    graded_and_recorded,
     grader_options,
     record_path,
     recorded,
@@ -32,7 +32,7 @@ from ddp_course.check.reference import (
     replace_function_body,
     unfinished,
 )
-from ddp_course.check.registry import RECORDS, Exercise, _key, exercises, graders, resolve
+from ddp_course.check.registry import RECORDS, Exercise, exercises, graders, resolve, shortest_key
 from ddp_course.check.verdicts import (
     MARGIN,
     NOT_COMPLETE,
@@ -122,7 +122,7 @@ def grade(number: str, path: str | Path, **kwargs) -> Verdict:
     if other is not None:
         return Verdict(False, f"{path_.name} looks like the file of exercise {other.name} ({other.script}), not of "
                               f"{exercise.name} ({exercise.script}): it defines that exercise's functions. Grade it with "
-                              f"`python -m ddp_course check {_key(other)} {path}`, or grade your copy of "
+                              f"`python -m ddp_course check {shortest_key(other)} {path}`, or grade your copy of "
                               f"lessons/exercises/{exercise.script} here.")
     left = unfinished(path_.read_text(encoding="utf-8")) if path_.is_file() else []
     if left:
@@ -133,7 +133,7 @@ def grade(number: str, path: str | Path, **kwargs) -> Verdict:
                else Verdict(True, ""))
     if not harness.ok:
         return harness
-    return _graded_and_recorded(exercise.name, path, grader, kwargs, harness.message)
+    return graded_and_recorded(exercise.name, path, grader, kwargs, harness.message)
 
 
 USAGE = "usage: python -m ddp_course check NN PATH   (python -m ddp_course check, alone, lists the exercises)"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ddp_course.check.reference import _defs, exercise_reference, is_stub
+from ddp_course.check.reference import exercise_reference, functions_of, is_stub
 from ddp_course.check.verdicts import Verdict
 
 
@@ -13,7 +13,7 @@ def answer_functions(tree) -> list[str]:
     """Qualified names of the functions whose body holds the stub, in the file's order."""
     import ast
 
-    return [name for name, fn in _defs(tree.body) if any(is_stub(n) for n in ast.walk(fn))]
+    return [name for name, fn in functions_of(tree.body) if any(is_stub(n) for n in ast.walk(fn))]
 
 
 def _is_region(node) -> bool:
@@ -35,7 +35,7 @@ def _normalized(node, answers: set[str], editable: set[str]):
 
     defs = (ast.FunctionDef, ast.AsyncFunctionDef)
 
-    def strip(n, qual: str) -> None:  # qual: n's qualified name as _defs gives it ("" if it has none)
+    def strip(n, qual: str) -> None:  # qual: n's qualified name as functions_of gives it ("" if it has none)
         if isinstance(n, (*defs, ast.ClassDef)):
             first = n.body[0] if n.body else None
             if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):

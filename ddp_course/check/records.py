@@ -55,7 +55,7 @@ def recorded(name: str, base: str | Path = ".") -> list[dict]:
         return []
 
 
-def _graded_and_recorded(name: str, path: str | Path, grader, kwargs: dict, note: str) -> Verdict:
+def graded_and_recorded(name: str, path: str | Path, grader, kwargs: dict, note: str) -> Verdict:
     """``grader.grade(path, **kwargs)``, with ``note`` (the harness check's) appended to its message,
     noted in ``runs/check/<name>.json``."""
     import time

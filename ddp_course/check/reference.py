@@ -130,7 +130,7 @@ def exercise_reference(number: str, graded: str | Path | None = None) -> Referen
     return Reference(copy.read_text(encoding="utf-8"), f"lessons/exercises/{script}")
 
 
-def _defs(body: list, prefix: str = ""):
+def functions_of(body: list, prefix: str = ""):
     """(qualified name, node) of the functions of ``body`` and of its classes' methods."""
     import ast
 
@@ -138,7 +138,7 @@ def _defs(body: list, prefix: str = ""):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
             yield prefix + node.name, node
         elif isinstance(node, ast.ClassDef):
-            yield from _defs(node.body, f"{prefix}{node.name}.")
+            yield from functions_of(node.body, f"{prefix}{node.name}.")
 
 
 def _names(source: str) -> set[str]:
@@ -147,7 +147,7 @@ def _names(source: str) -> set[str]:
     import ast
 
     tree = ast.parse(source)
-    names = {name for name, _ in _defs(tree.body)} | {n.name for n in tree.body if isinstance(n, ast.ClassDef)}
+    names = {name for name, _ in functions_of(tree.body)} | {n.name for n in tree.body if isinstance(n, ast.ClassDef)}
     return names - {"main"}
 
 

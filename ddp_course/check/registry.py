@@ -83,7 +83,7 @@ def resolve(name: str, path: str | Path | None = None) -> Exercise:
                      "(`python -m ddp_course check` lists them with their commands)")
 
 
-def _key(exercise: Exercise) -> str:
+def shortest_key(exercise: Exercise) -> str:
     """The shortest name ``check`` takes for an exercise: its lesson's number when it is the lesson's only one."""
     alone = sum(ex.lesson == exercise.lesson for ex in exercises().values()) == 1
     return exercise.lesson if alone else exercise.name

@@ -391,6 +391,21 @@ def test_no_import_cycle_anywhere_in_the_package():
     assert not cycles(graph), f"modules that import one another: {cycles(graph)}"
 
 
+def private_imports(source: str, package: str) -> list[str]:
+    """The private names (``_x``) that ``source`` imports from the modules of ``package``."""
+    return [f"{node.module}.{a.name}" for node in ast.walk(ast.parse(source))
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(package)
+            for a in node.names if a.name.startswith("_") and not a.name.startswith("__")]
+
+
+def test_the_grading_harness_shares_no_private_name_between_its_modules():
+    found = {p.name: private_imports(p.read_text(encoding="utf-8"), "ddp_course.check")
+             for p in (PACKAGE / "check").glob("*.py")}
+    assert not {k: v for k, v in found.items() if v}, found
+    assert private_imports("from ddp_course.check.registry import RECORDS, _key\n", "ddp_course.check") == \
+        ["ddp_course.check.registry._key"]  # the scan sees one
+
+
 def test_the_cycle_scan_finds_a_cycle_through_a_function_level_import():
     sources = {"ddp_course.a": ("from ddp_course import b\n", False),
                "ddp_course.b": ("def f():\n    from ddp_course.c import x\n", False),

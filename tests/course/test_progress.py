@@ -39,7 +39,7 @@ def lessons(tmp_path, monkeypatch) -> Path:
 def _grade(path: Path, ok: bool, message: str) -> None:
     """Record a verdict on ``path`` exactly as ``check.grade`` does, with a stand-in grader."""
     grader = SimpleNamespace(__name__="stand_in", __file__=__file__, grade=lambda p, timeout=1: Verdict(ok, message))
-    records._graded_and_recorded(SCRIPT, path, grader, {}, "")
+    records.graded_and_recorded(SCRIPT, path, grader, {}, "")
 
 
 def _row(table, what: str):
