@@ -275,15 +275,15 @@ def help_text(prog: str = "python -m ddp_course.train", example: str = TRAIN_EXA
             name = stripped.split(":", 1)[0].strip()
             comments[name] = stripped.split("#", 1)[1].strip()
     flags = {f"--{name}={default!s}": text for name, (default, text) in (extra or {}).items()}
-    owned = strategy_options()
+    summaries = {name: strategy_summary(name) for name in available_strategies()}
+    owned = {option for _, options in summaries.values() for option in options}
     fields = {f.name: (f"--{f.name}={f.default!s}", comments.get(f.name, "")) for f in dataclasses.fields(TrainConfig)}
     flags.update({flag: text for name, (flag, text) in fields.items() if name not in owned})
     width = max(*map(len, flags), *(len(fields[o][0]) + 4 for o in owned)) + 2  # one column for every text
     lines = [f"usage: {prog} [--key=value ...]", "", f"  {example}", "", GRAMMAR, "", "options:"]
     lines += [f"  {flag:<{width}}{text}" for flag, text in flags.items()]
     lines += ["", "strategies (--strategy=NAME), each with the options it reads:"]
-    for name in available_strategies():
-        doc, options = strategy_summary(name)
+    for name, (doc, options) in summaries.items():
         lines.append(f"  {name:<{width}}{doc.replace('``', '')}")
         lines += [f"      {fields[o][0]:<{width - 4}}{fields[o][1]}" for o in options]
     return "\n".join(lines)

@@ -47,10 +47,9 @@ def _cfg(name: str, fmt: str, out: Path, resume: bool) -> TrainConfig:
                           "resume": resume})
 
 
-def _start_from_step(cfg: TrainConfig) -> None:
+def _start_from_step(straight: TrainConfig, resumed: TrainConfig) -> None:
     """Put the uninterrupted run's step-CKPT checkpoint in the resumed run's folder, named latest."""
-    straight = Path(cfg.out_dir.replace("/resumed/", "/straight/"))
-    src, dst = (checkpoint.checkpoint_path(d, CKPT, cfg.ckpt_format) for d in (straight, Path(cfg.out_dir)))
+    src, dst = (checkpoint.checkpoint_path(c.out_dir, CKPT, c.ckpt_format) for c in (straight, resumed))
     dst.parent.mkdir(parents=True, exist_ok=True)
     (shutil.copytree if src.is_dir() else shutil.copy2)(src, dst)
     (dst.parent / checkpoint.POINTER).write_text(dst.name, encoding="utf-8")
@@ -64,7 +63,7 @@ def _train_all(names: list[str], out: Path, resume: bool, info: DistInfo) -> dic
         for fmt in checkpoint.FORMATS:
             cfg = _cfg(name, fmt, out, resume)
             if resume and info.is_main:
-                _start_from_step(cfg)
+                _start_from_step(_cfg(name, fmt, out, False), cfg)
             if info.is_distributed:
                 dist.barrier()
             try:

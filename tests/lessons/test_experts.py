@@ -3,8 +3,7 @@ token-slots, and sends exactly the rows and bytes the routers' choices predict.
 
 The lab at 4 ranks feeds the tests that take ``lab`` (its parity runs) and at 2 ranks those that take
 ``trained`` (its training runs): the notebook's runs when this session has them. The others run the
-one-process layer in this process, on hand-made
-routings small enough to check by hand.
+one-process layer in this process, on hand-made routings small enough to check by hand.
 """
 
 from __future__ import annotations
