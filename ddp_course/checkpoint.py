@@ -33,6 +33,13 @@ Collectives: :func:`save`, :func:`save_final` and :func:`resume` are collectives
 must call them, in the same order. Only rank 0 touches the files of the ``full`` format, but the
 gathers and barriers around the writing are outside any ``if rank == 0``: a collective that only
 rank 0 enters waits forever for the others (the classic checkpoint hang).
+
+States: how a model's and optimizer's states are read and put back is the strategy's decision.
+Every function that touches them takes ``plan``, anything with :class:`States`'s four methods: the
+training job hands its strategy's plan (``parallel.Strategy``). Without one, :data:`DCP` reads them
+with ``torch.distributed.checkpoint``'s ``get_state_dict``, which is right for a plain model and for
+DDP, FSDP and FSDP1 (the strategies that keep PyTorch's defaults); ZeRO-1 and FSDP x TP bring their
+own. This module never looks the plan up: it does not import ``parallel``.
 """
 
 from __future__ import annotations
@@ -47,13 +54,12 @@ import warnings
 import zipfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ddp_course import parallel
 from ddp_course.dist import DistInfo
 
 if TYPE_CHECKING:  # imported where used: torch.distributed.checkpoint is slow to import
@@ -72,6 +78,49 @@ _NAME = re.compile(r"^step_(\d+)(\.pt)?$")
 
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be used. The message names the file and the problem."""
+
+
+class States(Protocol):
+    """What a checkpoint needs from a strategy: its states, keyed by parameter name, and a way back.
+
+    ``parallel.Strategy`` is one (a strategy module may override each; the table in
+    ``parallel/__init__.py``); :data:`DCP` is the default.
+    """
+
+    def state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                   options: StateDictOptions | None = None) -> tuple[dict, dict]: ...
+    def load_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer, model_sd: dict, optim_sd: dict,
+                        options: StateDictOptions | None = None) -> None: ...
+    def model_state_dict(self, model: nn.Module, options: StateDictOptions | None = None) -> dict: ...
+    def has_state(self, optimizer: torch.optim.Optimizer) -> bool: ...
+
+
+class _DCPStates:
+    """PyTorch's own: ``torch.distributed.checkpoint.state_dict``'s functions (imported when called: slow)."""
+
+    def state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                   options: StateDictOptions | None = None) -> tuple[dict, dict]:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        return get_state_dict(model, optimizer, options=options)
+
+    def load_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer, model_sd: dict, optim_sd: dict,
+                        options: StateDictOptions | None = None) -> None:
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd, options=options)
+
+    def model_state_dict(self, model: nn.Module, options: StateDictOptions | None = None) -> dict:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        return get_model_state_dict(model, options=options)
+
+    def has_state(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether the optimizer holds state yet (before its first step reading it would create it)."""
+        return bool(optimizer.state)
+
+
+DCP: States = _DCPStates()  # the default plan: a plain, DDP, FSDP or FSDP1 model
 
 
 # --- where checkpoints live ------------------------------------------------------------------------
@@ -259,15 +308,16 @@ def _full_options(device: torch.device) -> StateDictOptions:
 
 def save(out_dir: str | os.PathLike, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
          scaler: Scaler | None, info: DistInfo, shape: dict[str, int], *,
-         keep_last: int = 2, fmt: str = "full", position: dict[str, int] | None = None) -> Path | None:
+         keep_last: int = 2, fmt: str = "full", position: dict[str, int] | None = None, plan: States = DCP
+         ) -> Path | None:
     """Save the training state after ``step`` optimizer steps; returns the path on rank 0, else None.
 
     A collective: every rank must call it. ``full``: rank 0 writes one file while the others wait at
     the closing barrier. ``sharded``: every rank writes its part with DCP. Either way the checkpoint
-    is committed by a rename and the ``latest`` pointer moves after it.
+    is committed by a rename and the ``latest`` pointer moves after it. ``plan`` reads the states
+    (the strategy's; see :class:`States`).
     """
     _check_format(fmt)
-    plan = parallel.strategy_of(model)
     d = ckpt_dir(out_dir)
     path = checkpoint_path(out_dir, step, fmt)
     meta = {"format": fmt, "step": int(step), "shape": dict(shape), "world_size": info.world_size,
@@ -309,12 +359,13 @@ def save(out_dir: str | os.PathLike, step: int, model: nn.Module, optimizer: tor
     return path if info.is_main else None
 
 
-def save_final(out_dir: str | os.PathLike, step: int, model: nn.Module, info: DistInfo) -> Path | None:
+def save_final(out_dir: str | os.PathLike, step: int, model: nn.Module, info: DistInfo, *, plan: States = DCP
+               ) -> Path | None:
     """Write ``final.pt`` (the unwrapped model's parameters after ``step`` steps), atomically, by rank 0.
 
     A collective (every rank calls it). Cheap: the model only, no optimizer.
     """
-    model_sd = parallel.strategy_of(model).model_state_dict(model, _full_options(info.device))
+    model_sd = plan.model_state_dict(model, _full_options(info.device))
     path = Path(out_dir) / FINAL
     if info.is_main:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -377,13 +428,12 @@ def load(path: str | os.PathLike, device: torch.device | str = "cpu", shape: dic
 
 
 def restore(state: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer, scaler: Scaler | None,
-            info: DistInfo | None = None, path: str | os.PathLike = "checkpoint") -> int:
+            info: DistInfo | None = None, path: str | os.PathLike = "checkpoint", *, plan: States = DCP) -> int:
     """Put a ``full`` checkpoint's states into the objects (every rank); returns the step to continue from."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
     try:
-        parallel.strategy_of(model).load_state_dict(model, optimizer, state["model"], state["optimizer"],
-                                                    StateDictOptions(full_state_dict=True))
+        plan.load_state_dict(model, optimizer, state["model"], state["optimizer"], StateDictOptions(full_state_dict=True))
     except (RuntimeError, KeyError, ValueError) as exc:
         raise CheckpointError(f"{path} does not fit this model and optimizer ({_first_line(exc)}). "
                               "Resume with the same options it was saved with, or use a fresh --out_dir.") from None
@@ -477,7 +527,7 @@ def _safe_reader_and_planner(path: Path):
 
 
 def resume(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer, scaler: Scaler | None,
-           info: DistInfo, shape: dict[str, int] | None = None) -> dict[str, Any]:
+           info: DistInfo, shape: dict[str, int] | None = None, *, plan: States = DCP) -> dict[str, Any]:
     """Load a checkpoint of either format into the objects, on every rank; returns its metadata.
 
     A collective: every rank must call it. The world size may differ from the one that saved it.
@@ -490,7 +540,7 @@ def resume(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Opt
         raise CheckpointError(f"checkpoint {path} does not exist.")
     if path.is_file():
         state = load(path, "cpu", shape)  # CPU copies; load_state_dict moves them to each rank's device
-        restore(state, model, optimizer, scaler, info, path)
+        restore(state, model, optimizer, scaler, info, path, plan=plan)
         return {k: v for k, v in state.items() if k not in ("model", "optimizer")} | {"path": str(path)}
 
     import torch.distributed.checkpoint as dcp
@@ -498,7 +548,6 @@ def resume(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Opt
 
     _check_sharded_files(path)
     meta = load(path, "cpu", shape)
-    plan = parallel.strategy_of(model)
     model_sd, optim_sd = plan.state_dict(model, optimizer)  # the structure DCP fills in place
     state = {"model": model_sd, "optimizer": optim_sd}
     reader, planner = _safe_reader_and_planner(path)
@@ -559,7 +608,7 @@ def restore_rng_after_first(batches: Iterator[T], meta: dict[str, Any], info: Di
     yield from batches
 
 
-def fingerprint(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> str:
+def fingerprint(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, plan: States = DCP) -> str:
     """A short SHA-256 of the model's full tensors (and the optimizer's state, if given), bit for bit.
 
     Two fingerprints are equal only if every parameter (and every AdamW moment and step count) is
@@ -589,7 +638,6 @@ def fingerprint(model: nn.Module, optimizer: torch.optim.Optimizer | None = None
             h.update(repr(obj).encode())
 
     full = StateDictOptions(full_state_dict=True)  # whole tensors on every rank
-    plan = parallel.strategy_of(model)
     if optimizer is None or not plan.has_state(optimizer):  # (an empty state would be initialised by the call)
         feed(plan.model_state_dict(model, full))
     else:

@@ -55,7 +55,7 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 def build_optimizer(model: nn.Module, cfg: TrainConfig, device: torch.device) -> torch.optim.Optimizer:
     """The optimizer of the strategy that wrapped ``model`` (``ddp_course.parallel``): AdamW with weight
     decay on matrices only (not on biases, LayerNorm gains or position tables), its state sharded where
-    the strategy shards it."""
+    the strategy shards it. (The training job, which holds its plan, asks the plan itself.)"""
     return parallel.strategy_of(model).build_optimizer(model, cfg, device)
 
 
@@ -79,19 +79,22 @@ def make_scaler(device: torch.device, precision: str) -> torch.amp.GradScaler | 
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None,
                micro_batches: Iterable[tuple[torch.Tensor, torch.Tensor]], *, device: torch.device, precision: str,
-               grad_clip: float, no_sync: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+               grad_clip: float, no_sync: bool = True, plan: parallel.Strategy | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One optimizer step over K micro-batches; returns (mean loss, gradient norm) as tensors.
 
     Each micro-batch's loss is divided by K, so the accumulated gradient is the gradient of the mean
     loss over all K micro-batches. With ``no_sync`` (DDP), the non-final micro-steps run forward and
-    backward inside ``model.no_sync()`` and only the last one all-reduces.
+    backward inside ``model.no_sync()`` and only the last one all-reduces. ``plan``: the strategy that
+    wrapped the model (the training job hands its own; by default the one that recorded ``model``).
     """
+    plan = plan if plan is not None else parallel.strategy_of(model)
     micro_batches = list(micro_batches)
     k_total = len(micro_batches)
     loss_sum = torch.zeros((), device=device)
     for k, (x, y) in enumerate(micro_batches):
         last = k == k_total - 1
-        with parallel.sync_context(model, sync=last or not no_sync):
+        with plan.sync_context(model, sync=last or not no_sync):
             with autocast(device, precision):
                 _, loss = model(x, y)
             loss = loss / k_total
@@ -99,7 +102,7 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch
         loss_sum += loss.detach()
     if scaler is not None:
         scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
-    grad_norm = parallel.clip_grad_norm_(model, grad_clip) if grad_clip > 0 else None  # over every rank's shard (FSDP)
+    grad_norm = plan.clip_grad_norm_(model, grad_clip) if grad_clip > 0 else None  # over every rank's shard (FSDP)
     if scaler is not None:
         scaler.step(optimizer)  # skipped if the gradients hold inf/nan
         scaler.update()
@@ -142,6 +145,7 @@ class _Job:
 
     cfg: TrainConfig
     info: DistInfo
+    plan: parallel.Strategy  # the strategy, looked up once: everything it decides is asked of it
     data: Data
     model: nn.Module
     optimizer: torch.optim.Optimizer
@@ -221,7 +225,7 @@ def check_fits(gpt: GPTConfig, info: DistInfo) -> None:
                       f"their gradients and AdamW's state, and {where}. Use a smaller --n_embd or --n_layer.")
 
 
-def _build(cfg: TrainConfig, info: DistInfo, dp_rank: int, dp_size: int) -> _Job:
+def _build(cfg: TrainConfig, info: DistInfo, plan: parallel.Strategy, dp_rank: int, dp_size: int) -> _Job:
     """Data, the model (same seed on every rank: identical initial models), the strategy, AdamW, scaler."""
     data = prepare(cfg.corpus, cfg.block_size, cfg.val_fraction, announce=log)
     gpt = GPTConfig.from_train(cfg, data.tokenizer.vocab_size)
@@ -231,11 +235,10 @@ def _build(cfg: TrainConfig, info: DistInfo, dp_rank: int, dp_size: int) -> _Job
     n_params, flops_per_token = model.num_params(), model.flops_per_token()
     if cfg.compile:
         model = torch.compile(model)
-    strategy = parallel.get(cfg.strategy)
-    model = strategy.wrap(model, info, cfg)
-    n_devices = info.world_size * strategy.devices_per_rank(model)
-    return _Job(cfg, info, data, model, build_optimizer(model, cfg, info.device), make_scaler(info.device, cfg.precision),
-                n_params, flops_per_token, n_devices, dp_rank, dp_size)
+    model = plan.wrap(model, info, cfg)
+    n_devices = info.world_size * plan.devices_per_rank(model)
+    return _Job(cfg, info, plan, data, model, plan.build_optimizer(model, cfg, info.device),
+                make_scaler(info.device, cfg.precision), n_params, flops_per_token, n_devices, dp_rank, dp_size)
 
 
 def _resume(job: _Job) -> tuple[int, int, dict[str, Any] | None]:
@@ -250,7 +253,7 @@ def _resume(job: _Job) -> tuple[int, int, dict[str, Any] | None]:
         if cfg.resume:
             log(f"[ddp_course] --resume: no checkpoint in {show(checkpoint.ckpt_dir(job.out_dir))}; starting from step 0")
         return 0, 0, None
-    meta = checkpoint.resume(path, job.model, job.optimizer, job.scaler, info, job.shape)
+    meta = checkpoint.resume(path, job.model, job.optimizer, job.scaler, info, job.shape, plan=job.plan)
     start_step = meta["step"]
     start_batch = checkpoint.start_batch(meta, micro_batch_size=cfg.micro_batch_size,
                                          world_size=job.dp_size, grad_accum_steps=cfg.grad_accum_steps)
@@ -366,7 +369,7 @@ def _save_checkpoint(job: _Job, step: int, per_epoch: int | None) -> None:
     position = checkpoint.data_position(step, micro_batch_size=cfg.micro_batch_size, world_size=job.dp_size,
                                         grad_accum_steps=cfg.grad_accum_steps, batches_per_epoch=per_epoch)
     path = checkpoint.save(job.out_dir, step, job.model, job.optimizer, job.scaler, info, job.shape,
-                           keep_last=cfg.keep_last, fmt=cfg.ckpt_format, position=position)
+                           keep_last=cfg.keep_last, fmt=cfg.ckpt_format, position=position, plan=job.plan)
     if path is not None:
         log(f"[ddp_course] checkpoint {show(path)}")
 
@@ -382,7 +385,7 @@ def _sample(job: _Job) -> str | None:
     """``--sample_tokens`` characters from the trained model, on rank 0. Every rank calls it: FSDP gathers."""
     if job.cfg.sample_tokens <= 0:
         return None
-    sampler = parallel.gathered(job.model)
+    sampler = job.plan.gathered(job.model)
     if not job.info.is_main:
         return None
     gen = torch.Generator(device=job.device).manual_seed(job.cfg.seed)
@@ -424,12 +427,13 @@ def _write_summary(job: _Job, summary: dict[str, Any]) -> None:
 def run_training(cfg: TrainConfig, info: DistInfo) -> dict[str, Any]:
     """The loop itself, inside an initialised process group (or a single process). Returns the summary."""
     cfg = cfg.replace()  # never mutate the caller's config
-    dp_rank, dp_size = parallel.get(cfg.strategy).data_parallel(info.rank, info.world_size, cfg)
+    plan = parallel.get(cfg.strategy)  # looked up once; the job holds it
+    dp_rank, dp_size = plan.data_parallel(info.rank, info.world_size, cfg)
     cfg.resolve_batch(dp_size)
     device = info.device
     _check_precision(cfg, device)
     _announce(cfg, info, dp_size)
-    job = _build(cfg, info, dp_rank, dp_size)
+    job = _build(cfg, info, plan, dp_rank, dp_size)
     model, optimizer, scaler = job.model, job.optimizer, job.scaler
     start_step, start_batch, meta = _resume(job)
     if info.is_main:
@@ -448,7 +452,7 @@ def run_training(cfg: TrainConfig, info: DistInfo) -> dict[str, Any]:
         for group in optimizer.param_groups:
             group["lr"] = lr
         loss, grad_norm = train_step(model, optimizer, scaler, _micro_batches(batches, job), device=device,
-                                     precision=cfg.precision, grad_clip=cfg.grad_clip, no_sync=cfg.no_sync)
+                                     precision=cfg.precision, grad_clip=cfg.grad_clip, no_sync=cfg.no_sync, plan=plan)
         interval_loss += loss  # summed on the device: no sync until the next log row
         _inject_failure(cfg, info, step)
         done = step + 1
@@ -474,7 +478,7 @@ def run_training(cfg: TrainConfig, info: DistInfo) -> dict[str, Any]:
                 _save_checkpoint(job, done, per_epoch)
 
     if cfg.ckpt_interval:  # final.pt: the final parameters, for comparing runs (every rank calls it)
-        checkpoint.save_final(job.out_dir, cfg.max_steps, model, info)
+        checkpoint.save_final(job.out_dir, cfg.max_steps, model, info, plan=plan)
     summary = _summary(job, clock, cfg.max_steps - start_step, loss_avg, val_loss)
     if info.is_main:
         _write_summary(job, summary)

@@ -23,8 +23,8 @@ name in the module       what it decides                             default
 ``gathered``             ``(model) -> nn.Module``: full parameters    :meth:`Strategy.unwrap`
                          on rank 0, for sampling (a collective)
 ``state_dict``           ``(model, optimizer, options) -> (model's,   ``torch.distributed.checkpoint``'s
-                         optimizer's)``: states keyed by parameter    ``get_state_dict``; ``options`` is its
-                         name, for checkpoints and fingerprints       ``StateDictOptions`` (or None)
+                         optimizer's)``: states keyed by parameter    ``get_state_dict`` (``checkpoint.DCP``);
+                         name, for checkpoints and fingerprints       ``options``: its ``StateDictOptions``
 ``load_state_dict``      ``(model, optimizer, model_sd, optim_sd,     ``set_state_dict``
                          options) -> None``: put them back
 ``has_state``            ``(optimizer) -> bool``: whether it holds    ``bool(optimizer.state)``
@@ -46,9 +46,12 @@ Whether a process can run the strategy at all (started by torchrun or not, how m
 decided in one place, :meth:`Strategy.refusal`, from ``NEEDS_PROCESS_GROUP``; a module may give
 ``LAUNCH_EXAMPLE``, the torchrun arguments the refusal suggests.
 
-Whoever holds a wrapped model finds its plan with :func:`strategy_of` (:meth:`Strategy.wrap`
-records it; a wrapper built by hand is recorded with :func:`record`): nothing asks the model which
-wrapper it is. A model nobody wrapped here gets the defaults, which are right for a plain model.
+The training job looks its plan up once (:func:`get`) and holds it: it wraps, builds the optimizer,
+steps and samples through it, and hands it to ``checkpoint`` (which never looks it up). Code that
+only holds a wrapped model (a lesson calling ``train_step``) finds its plan with :func:`strategy_of`
+(:meth:`Strategy.wrap` records it; a wrapper built by hand is recorded with :func:`record`): nothing
+asks the model which wrapper it is. A model nobody wrapped here gets the defaults, right for a plain
+model.
 """
 
 from __future__ import annotations
@@ -69,6 +72,7 @@ import torch.nn as nn
 if TYPE_CHECKING:  # imported where used: torch.distributed.checkpoint is slow to import
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
+from ddp_course.checkpoint import DCP
 from ddp_course.config import ConfigError, TrainConfig
 from ddp_course.dist import DistInfo
 
@@ -111,26 +115,6 @@ def without_compile(model: nn.Module) -> nn.Module:
     """
     eval_frame = sys.modules.get("torch._dynamo.eval_frame")
     return model._orig_mod if eval_frame is not None and isinstance(model, eval_frame.OptimizedModule) else model
-
-
-def _state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, options: StateDictOptions | None
-                ) -> tuple[dict, dict]:
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
-    return get_state_dict(model, optimizer, options=options)
-
-
-def _model_state_dict(model: nn.Module, options: StateDictOptions | None) -> dict:
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
-    return get_model_state_dict(model, options=options)
-
-
-def _load_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, model_sd: dict, optim_sd: dict,
-                     options: StateDictOptions | None) -> None:
-    from torch.distributed.checkpoint.state_dict import set_state_dict
-
-    set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd, options=options)
 
 
 class StrategyModule(Protocol):
@@ -233,6 +217,8 @@ class Strategy:
         return self._hook("build_optimizer", adamw)(model, cfg, device)
 
     def sync_context(self, model: nn.Module, sync: bool) -> contextlib.AbstractContextManager:
+        if sync:  # a micro-step that synchronises runs as it would without accumulation
+            return contextlib.nullcontext()
         return self._hook("sync_context", lambda model, sync: contextlib.nullcontext())(model, sync)
 
     def clip_grad_norm_(self, model: nn.Module, max_norm: float) -> torch.Tensor:
@@ -247,14 +233,14 @@ class Strategy:
 
     def state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer,
                    options: StateDictOptions | None = None) -> tuple[dict, dict]:
-        return self._hook("state_dict", _state_dict)(model, optimizer, options)
+        return self._hook("state_dict", DCP.state_dict)(model, optimizer, options)
 
     def load_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer, model_sd: dict, optim_sd: dict,
                         options: StateDictOptions | None = None) -> None:
-        self._hook("load_state_dict", _load_state_dict)(model, optimizer, model_sd, optim_sd, options)
+        self._hook("load_state_dict", DCP.load_state_dict)(model, optimizer, model_sd, optim_sd, options)
 
     def has_state(self, optimizer: torch.optim.Optimizer) -> bool:
-        return bool(self._hook("has_state", lambda optimizer: bool(optimizer.state))(optimizer))
+        return bool(self._hook("has_state", DCP.has_state)(optimizer))
 
     def devices_per_rank(self, model: nn.Module) -> int:
         return int(self._hook("devices_per_rank", lambda model: 1)(model))
@@ -265,7 +251,7 @@ class Strategy:
         return int(dp_rank), int(dp_size)
 
     def model_state_dict(self, model: nn.Module, options: StateDictOptions | None = None) -> dict:
-        return self._hook("model_state_dict", _model_state_dict)(model, options)
+        return self._hook("model_state_dict", DCP.model_state_dict)(model, options)
 
 
 @functools.cache
@@ -308,7 +294,7 @@ def sync_context(model: nn.Module, sync: bool) -> contextlib.AbstractContextMana
     non-final micro-step must be inside this context, not only its backward. FSDP2's is
     ``set_requires_gradient_sync(False)`` (no reduce-scatter; unsharded gradients accumulate locally).
     """
-    return strategy_of(model).sync_context(model, sync) if not sync else contextlib.nullcontext()
+    return strategy_of(model).sync_context(model, sync)
 
 
 def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:

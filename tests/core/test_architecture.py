@@ -234,6 +234,16 @@ def test_no_strategy_behaviour_is_decided_by_probing_the_model(where):
     assert not found, f"{where} decides by the model's attributes: {found}; give the strategy a hook instead."
 
 
+def test_checkpoint_is_handed_its_plan_and_never_looks_it_up():
+    """The training job holds its strategy and hands it to ``checkpoint`` (``plan=``): checkpoint does not
+    import ``parallel``, so it cannot climb back into it (``test_every_strategy`` shows the job never
+    looks its plan up again)."""
+    tree = ast.parse((PACKAGE / "checkpoint.py").read_text(encoding="utf-8"))
+    imported = [ast.unparse(n) for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))
+                and "parallel" in ast.unparse(n)]
+    assert imported == [], imported
+
+
 # --- the grading harness: split by concern, and nothing in the package runs a file by its path -------------
 
 CHECK_PART_LINES = 320  # "each part under ~300 lines": a part that outgrows this is doing two jobs

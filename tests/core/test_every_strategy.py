@@ -6,16 +6,24 @@ The strategies that need a process group run on 2 ranks, all of them in one spaw
 as a 1 x 2 mesh: tensor parallelism across both ranks), and the resumed runs in a second job, so that
 nothing but the checkpoint carries over; the one-process strategies run in this process. A run is 4
 AdamW steps of ``ddp_course.train.run_training`` with checkpoints after steps 2 and 4, dropout on (the
-resumed run must restore every rank's generator too); the resumed run starts from step 2's.
+resumed run must restore every rank's generator too); the resumed run starts from step 2's. Each
+run ends by sampling 8 characters from its model gathered on rank 0 (a collective for FSDP).
 
 CPU runs are deterministic and the checkpoint holds everything the remaining steps depend on, so
 there is no tolerance: the same losses, gradient norms and final weights, ``==``. ZeRO-1's full
 checkpoint holds AdamW's state gathered from its shards: it must equal DDP's, entry for entry.
+
+The runs also show that the job holds its plan: ``parallel.strategy_of`` (finding a wrapped model's
+strategy) refuses to answer while they train, save and resume, so neither the loop nor ``checkpoint``
+looks the strategy up again.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import shutil
+from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 
@@ -35,7 +43,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 WORLD = 2
 STEPS, CKPT = 4, 2
 RUN = {**TINY, "max_steps": STEPS, "ckpt_interval": CKPT, "log_interval": 1, "eval_interval": 0, "warmup_steps": 1,
-       "dropout": 0.1, "lr": 3e-3, "keep_last": STEPS}
+       "dropout": 0.1, "lr": 3e-3, "keep_last": STEPS, "sample_tokens": 8}
 OPTIONS = {"fsdp_tp": {"tp": WORLD}}  # values of a strategy's own options, where it needs some to run on WORLD ranks
 GROUP = [n for n in available_strategies() if parallel.get(n).needs_process_group]
 ALONE = [n for n in available_strategies() if not parallel.get(n).needs_process_group]
@@ -55,6 +63,20 @@ def _start_from_step(straight: TrainConfig, resumed: TrainConfig) -> None:
     (dst.parent / checkpoint.POINTER).write_text(dst.name, encoding="utf-8")
 
 
+@contextlib.contextmanager
+def _plan_held() -> Iterator[None]:
+    """``parallel.strategy_of`` raises inside: whatever asks which strategy wrapped a model fails the run."""
+    def refuse(model: torch.nn.Module) -> parallel.Strategy:
+        raise AssertionError("run_training looked its strategy up again (parallel.strategy_of): the job holds "
+                             "its plan; hand it on instead.")
+
+    held, parallel.strategy_of = parallel.strategy_of, refuse
+    try:
+        yield
+    finally:
+        parallel.strategy_of = held
+
+
 def _train_all(names: list[str], out: Path, resume: bool, info: DistInfo) -> dict[str, str]:
     """Train (or resume) each strategy in each format; returns {strategy: why} for those this machine
     cannot run (a ``DeviceError``: ``dp`` needs two CUDA GPUs)."""
@@ -67,7 +89,8 @@ def _train_all(names: list[str], out: Path, resume: bool, info: DistInfo) -> dic
             if info.is_distributed:
                 dist.barrier()
             try:
-                run_training(cfg, info)
+                with _plan_held():
+                    run_training(cfg, info)
             except DeviceError as exc:
                 cannot[name] = str(exc)
     return cannot
@@ -128,6 +151,8 @@ def test_a_resumed_run_ends_where_the_uninterrupted_one_ends(trained, name, fmt)
     want, got = _final(straight), _final(resumed)
     assert got.keys() == want.keys()
     assert all(torch.equal(got[k], want[k]) for k in want), [k for k in want if not torch.equal(got[k], want[k])]
+    samples = [json.loads((Path(d) / "summary.json").read_text())["sample"] for d in (straight, resumed)]  # through the gathered model
+    assert len(samples[0]) == RUN["sample_tokens"] and samples[1] == samples[0], samples
 
 
 def test_a_zero1_checkpoint_holds_the_same_adamw_state_as_ddps(runs):
