@@ -232,6 +232,18 @@ def study_device(device: str, sizes: list[int]) -> tuple[str, list[int], str]:
         raise BenchError(str(exc)) from None
 
 
+def study_start(tag: str, opts: dict[str, Any], sizes: str) -> tuple[Path, dict[str, Any], dict[str, Any]]:
+    """A study's opening: the device for every job and the job sizes ``opts[sizes]`` that fit on it
+    (:func:`study_device`), said in a ``[tag]`` line; returns (the output folder, the options with
+    both settled, ``{"device_reason", "cpu_count"}`` for the result)."""
+    from ddp_course.dist import cpu_count
+
+    device, fitting, reason = study_device(opts["device"], opts[sizes])
+    print(f"[{tag}] {reason}", flush=True)
+    return Path(opts["out"]).resolve(), {**opts, "device": device, sizes: fitting}, {"device_reason": reason,
+                                                                                      "cpu_count": cpu_count()}
+
+
 def job_env(**extra: str) -> dict[str, str]:
     """Environment additions for a benchmark's job: it imports the same ``ddp_course`` as this process."""
     path = os.pathsep.join(filter(None, [str(PACKAGE_ROOT), os.environ.get("PYTHONPATH")]))

@@ -149,6 +149,24 @@ def answered_exercise(name: str) -> str:
     return make_lessons().answer_source(path.read_text(encoding="utf-8"), path.name)
 
 
+def graded_answer(folder: Path, lesson: str, name: str, **kwargs: Any) -> tuple[Path, Any]:
+    """``solutions/exercises/<name>`` answered, written to ``folder/<name>`` and graded as lesson ``lesson``'s
+    grading cell grades it: (its path, the verdict), read from that cell's record when it graded the same
+    bytes in this session (``notebook_runs.grade``)."""
+    import notebook_runs
+
+    path = folder / name
+    path.write_text(answered_exercise(name), encoding="utf-8")
+    return path, notebook_runs.grade(lesson, path, **kwargs)
+
+
+def graded_solution(folder: Path, lesson: str, name: str, grader: ModuleType, **kwargs: Any) -> tuple:
+    """:func:`graded_answer`, ranks' records in order: (verdict, its RESULT records sorted by rank, the
+    grader's references, the path)."""
+    path, verdict = graded_answer(folder, lesson, name, **kwargs)
+    return verdict, sorted(verdict.records, key=lambda r: r["rank"]), grader.references(path), path
+
+
 def exercise_attempt(tmp_path: Path, name: str, function: str, body: str) -> Path:
     """The answered exercise ``name`` with ``function``'s body replaced by ``body``: one mistake."""
     from ddp_course.check import replace_function_body

@@ -12,9 +12,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import notebook_runs
 import pytest
-from harness import ROOT, answered_exercise, exercise_attempt, grade_in_pairs, rejected_and_named
+from harness import ROOT, exercise_attempt, grade_in_pairs, graded_answer, rejected_and_named
 
 from ddp_course.course.l04_ddp import grader
 
@@ -25,9 +24,7 @@ NAME = "04_ddp_convert.py"
 
 @pytest.mark.timeout(300)
 def test_solution_passes_and_logs_the_one_process_loss(tmp_path):
-    path = tmp_path / "04_answered.py"
-    path.write_text(answered_exercise(NAME))
-    verdict = notebook_runs.grade("04", path, timeout=180)
+    _, verdict = graded_answer(tmp_path, "04", NAME, timeout=180)
     assert verdict.ok, verdict.message
     assert "logged the one-process loss" in verdict.message
     assert "tolerance" in verdict.message  # the verdict states what it compared against

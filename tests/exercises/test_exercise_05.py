@@ -15,9 +15,8 @@ from __future__ import annotations
 
 import copy
 
-import notebook_runs
 import pytest
-from harness import answered_exercise, grade_in_pairs, rejected_and_named
+from harness import answered_exercise, grade_in_pairs, graded_answer, rejected_and_named
 
 from ddp_course.check import replace_function_body
 from ddp_course.course.l05_inside_ddp import grader
@@ -42,9 +41,7 @@ def attempt(tmp_path, replacements: dict[str, str], imports: str = ""):
 
 @pytest.fixture(scope="module")
 def solution(tmp_path_factory):
-    path = tmp_path_factory.mktemp("answered") / "05_answered.py"
-    path.write_text(answered_exercise(NAME), encoding="utf-8")
-    return notebook_runs.grade("05", path, timeout=180)  # lesson 05's grading cell's verdict, when it graded these bytes
+    return graded_answer(tmp_path_factory.mktemp("answered"), "05", NAME, timeout=180)[1]
 
 
 @pytest.mark.timeout(300)

@@ -10,9 +10,8 @@ mistakes alter them, and on partitions called in this process (no job).
 
 from __future__ import annotations
 
-import notebook_runs
 import pytest
-from harness import answered_exercise, exercise_attempt, grade_in_pairs, rejected_and_named
+from harness import answered_exercise, exercise_attempt, grade_in_pairs, graded_solution, rejected_and_named
 
 from ddp_course.course.l09_fsdp import grader_zero1 as grader
 from ddp_course.course.l09_fsdp import memory
@@ -22,19 +21,14 @@ NAME = "09_zero1.py"
 
 @pytest.fixture(scope="module")
 def solution(tmp_path_factory):
-    """The answered solution graded once: (verdict, its RESULT rows, the grader's references, its path)."""
-    path = tmp_path_factory.mktemp("zero1") / NAME
-    path.write_text(answered_exercise(NAME), encoding="utf-8")
-    verdict = notebook_runs.grade("09", path, timeout=180)  # lesson 09's grading cell's, when it graded these bytes
-    return verdict, verdict.records, grader.references(path), path
+    return graded_solution(tmp_path_factory.mktemp("zero1"), "09", NAME, grader, timeout=180)
 
 
 @pytest.mark.timeout(240)
 def test_solution_passes_and_holds_half_of_adamw(solution):
-    verdict, records, refs, path = solution
+    verdict, rows, refs, path = solution
     assert verdict.ok, verdict.message
     assert "exactly one rank" in verdict.message and "one-process reference" in verdict.message
-    rows = sorted(records, key=lambda r: r["rank"])
     # the calculator's zero1 rows are the same greedy partition as the solution's, so they agree to the byte
     predicted = memory.predict("zero1", 2, {"vocab_size": 65, **grader.harness_constants(path)["SHAPE"]})
     assert [r["optimizer_bytes"] for r in rows] == [p["optimizer"] for p in predicted]

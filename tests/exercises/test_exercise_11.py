@@ -13,9 +13,16 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-import notebook_runs
 import pytest
-from harness import ROOT, answered_exercise, at_once, exercise_attempt, grade_in_pairs, rejected_and_named
+from harness import (
+    ROOT,
+    answered_exercise,
+    at_once,
+    exercise_attempt,
+    grade_in_pairs,
+    graded_answer,
+    rejected_and_named,
+)
 
 from ddp_course import check
 from ddp_course.course.l11_beyond_data_parallel import grader
@@ -38,10 +45,8 @@ def method_attempt(tmp_path: Path, qualname: str, body: str) -> Path:
 
 @pytest.mark.timeout(120)
 def test_solution_passes(tmp_path):
-    path = tmp_path / "11_answered.py"
-    path.write_text(answered_exercise(NAME), encoding="utf-8")
+    path, verdict = graded_answer(tmp_path, "11", NAME, timeout=90)
     assert check.check_harness("11", path).ok  # the answer regions inside classes count as answers too
-    verdict = notebook_runs.grade("11", path, timeout=90)  # lesson 11's grading cell's, when it graded these bytes
     assert verdict.ok, verdict.message
     assert "one-process reference" in verdict.message and "tolerance" in verdict.message
 

@@ -11,9 +11,8 @@ classic mistake has its test without a job of its own.
 
 from __future__ import annotations
 
-import notebook_runs
 import pytest
-from harness import answered_exercise, exercise_attempt, grade_in_pairs
+from harness import exercise_attempt, grade_in_pairs, graded_answer
 
 from ddp_course import check
 from ddp_course.course.l13_two_dimensions import grader
@@ -46,10 +45,8 @@ FSDP = '''    for block in model.blocks:
 
 @pytest.mark.timeout(180)
 def test_solution_passes(tmp_path):
-    path = tmp_path / "13_answered.py"
-    path.write_text(answered_exercise(NAME), encoding="utf-8")
+    path, verdict = graded_answer(tmp_path, "13", NAME)
     assert check.check_harness("13", path).ok
-    verdict = notebook_runs.grade("13", path)  # lesson 13's grading cell's, when it graded these bytes
     assert verdict.ok, verdict.message
     assert "trains like one process" in verdict.message and "as the plan derives them" in verdict.message
 

@@ -14,9 +14,8 @@ from __future__ import annotations
 
 import copy
 
-import notebook_runs
 import pytest
-from harness import answered_exercise, exercise_attempt, grade_in_pairs
+from harness import exercise_attempt, grade_in_pairs, graded_solution
 
 from ddp_course import check
 from ddp_course.course.l14_sequences_and_experts import grader_experts as grader
@@ -26,20 +25,16 @@ NAME = "14_expert_dispatch.py"
 
 @pytest.fixture(scope="module")
 def solution(tmp_path_factory):
-    """The answered solution graded once: (verdict, its RESULT records, the grader's references, its path)."""
-    path = tmp_path_factory.mktemp("experts") / NAME
-    path.write_text(answered_exercise(NAME), encoding="utf-8")
-    assert check.check_harness("14_expert_dispatch", path).ok
-    verdict = notebook_runs.grade("14", path)  # lesson 14's grading cell's, when it graded these bytes
-    return verdict, verdict.records, grader.references(path), path
+    graded = graded_solution(tmp_path_factory.mktemp("experts"), "14", NAME, grader)
+    assert check.check_harness("14_expert_dispatch", graded[-1]).ok
+    return graded
 
 
 @pytest.mark.timeout(180)
 def test_solution_passes(solution):
-    verdict, records, refs, _ = solution
+    verdict, rows, refs, _ = solution
     assert verdict.ok, verdict.message
     assert "in priority order" in verdict.message and "matches one process" in verdict.message
-    rows = sorted(records, key=lambda r: r["rank"])
     assert [r["experts"] for r in rows] == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert all(r["received"] == r["reference_received"] and r["dropped"] == r["reference_dropped"] for r in rows)
     assert all(d > 0 for d in rows[0]["dropped"])  # a capacity factor below 1: slots really drop

@@ -1,9 +1,12 @@
-"""A learner who is wrong in an ordinary way sees their own error, file and line, for every exercise.
+"""A learner who is wrong in an ordinary way sees their own error, file and line, in every exercise.
 
 Each case starts from the answered exercise and breaks it the way learners do, inside the first
 answer (a TODO's body): a name that does not exist (on rank 1 only, so the other rank is a
 bystander), a syntax error, a rank that never joins the next collective (a hang), a misspelled
-import at the top, a collective called by one rank only. The verdict must name the exception (or,
+import at the top, a collective called by one rank only. A syntax error is tried on every exercise
+(it costs no process); the errors that need a job, on one exercise for each way a job is started and
+graded (``WAYS``): every other exercise is started and graded as 01 is, which a test reads from its
+script and grader. The verdict must name the exception (or,
 for a hang, the line each rank waits at and the collective), in ``File "<the learner's file>", line N``
 frames as Python prints them, and never torchrun's own report of the failure.
 """
@@ -71,19 +74,19 @@ SEND_FIRST = ("    received = torch.empty_like(t)\n    dist.send(t.contiguous(),
               "    dist.recv(received, recv_from)\n    return received\n")
 # exercise 04's learner joins the process group with a timeout of their own: the hang attempt sets it
 OWN_TIMEOUT = ("timedelta(seconds=60)", f"timedelta(seconds={COLLECTIVE_S})")
-# A hang is tried on one exercise for each way a job can reach it: the harness joining the process group
-# through dist.setup and graded by check.run_exercise (01); the learner's own process group (04); a
-# device mesh (13, on 4 ranks); the grader's own launch, a crash and a restart (08); DataLoader worker
-# processes beside the ranks (10); point-to-point sends on 4 ranks (exercise 14's ring, every rank
-# sending first: below). Every other exercise joins and is graded as 01 is
-# (test_every_exercise_without_a_hang_attempt_is_graded_as_one_with_one checks it): each hang attempt
-# costs a job of two or four processes.
-HANGS = ["01_global_val_loss", "04_ddp_convert", "08_save_load", "10_dataloader", "13_two_d_plan"]
+# A NameError and a hang are tried on one exercise for each way a job is started and graded: the
+# harness joining the process group through dist.setup and graded by check.run_exercise (01); the
+# learner's own process group (04); a device mesh (13, on 4 ranks); the grader's own launch, a crash
+# and a restart (08); DataLoader worker processes beside the ranks (10); and a hang in point-to-point
+# sends on 4 ranks (exercise 14's ring, every rank sending first: below). Every other exercise joins
+# and is graded as 01 is (test_every_exercise_not_in_ways_is_started_and_graded_as_one_is checks it),
+# so its error takes the path 01's takes: each attempt costs a job of two or four processes.
+WAYS = ["01_global_val_loss", "04_ddp_convert", "08_save_load", "10_dataloader", "13_two_d_plan"]
 
 
 @pytest.fixture(scope="module")
 def graded(tmp_path_factory) -> dict:
-    """The verdicts on every exercise with a NameError on rank 1, on those of ``HANGS`` with rank 1 stuck
+    """The verdicts on the exercises of ``WAYS`` with a NameError on rank 1 and with rank 1 stuck
     in its first answer, on a misspelled import and on a collective called by rank 0 only:
     {("name error" | "hang" | "stall" | "import" | "one rank", exercise): ((path, line), verdict, seconds)}.
 
@@ -104,7 +107,7 @@ def graded(tmp_path_factory) -> dict:
         return verdict, time.monotonic() - start
 
     tmp = tmp_path_factory.mktemp("wrong")
-    hangs = {("hang", name): attempt(tmp / "hang", name, HANG_LINE) for name in HANGS}
+    hangs = {("hang", name): attempt(tmp / "hang", name, HANG_LINE) for name in WAYS}
     path04 = hangs["hang", "04_ddp_convert"][0]
     hangs["stall", "04_ddp_convert"] = attempt(tmp / "stall", "04_ddp_convert", HANG_LINE)
     (tmp / "send_first").mkdir()
@@ -117,7 +120,7 @@ def graded(tmp_path_factory) -> dict:
     try:
         with ThreadPoolExecutor(max_workers=len(hangs)) as background:
             waiting = {key: background.submit(timed, key[1], path) for key, (path, _) in hangs.items()}
-            errors = {("name error", name): attempt(tmp / "name_error", name, NAME_ERROR) for name in EXERCISES}
+            errors = {("name error", name): attempt(tmp / "name_error", name, NAME_ERROR) for name in WAYS}
             errors["import", "06_no_sync"] = attempt(tmp / "import", "06_no_sync", IMPORT_ERROR, top=True)
             errors["one rank", "01_global_val_loss"] = attempt(tmp / "one_rank", "01_global_val_loss", ONE_RANK_ONLY)
             verdicts = grade_in_pairs(lambda p: check.grade(p.stem, p), {k: p for k, (p, _) in errors.items()})
@@ -132,8 +135,8 @@ def graded(tmp_path_factory) -> dict:
     return found
 
 
-def test_a_name_error_on_one_rank_names_the_learners_line_in_every_exercise(graded):
-    for name in EXERCISES:
+def test_a_name_error_on_one_rank_names_the_learners_line_in_each_way_a_job_is_graded(graded):
+    for name in WAYS:
         (path, n), verdict, _ = graded["name error", name]
         msg = str(verdict)
         assert not verdict.ok, name
@@ -161,18 +164,19 @@ def test_a_syntax_error_is_reported_before_any_process_starts(tmp_path, monkeypa
     assert frame(path, n) in msg and "^" in msg, msg
 
 
-def test_every_exercise_without_a_hang_attempt_is_graded_as_one_with_one():
-    """What makes a hang end with every rank's line is shared: the grader's collective timeout, read by
-    ``dist.setup``, and its stall watch and report, in ``check.run_exercise``. An exercise left out of
-    ``HANGS`` must reach both the way 01 does: its script joins through ``setup(`` (never by
+def test_every_exercise_not_in_ways_is_started_and_graded_as_one_is():
+    """What makes a crash show the learner's line and a hang end with every rank's line is shared: the
+    start-up hook every rank gets, the grader's collective timeout, read by ``dist.setup``, and the crash
+    report, stall watch and hang report of ``check.run_exercise``. An exercise left out of ``WAYS``
+    must reach them the way 01 does: its script joins through ``setup(`` (never by
     ``init_process_group``), its answers build no group or mesh, and its grader launches it by ``run_exercise``."""
     import importlib
     import inspect
 
     root = Path(check.__file__).parents[2]
-    assert set(HANGS) <= set(EXERCISES)
+    assert set(WAYS) <= set(EXERCISES)
     for name, ex in exercises().items():
-        if name in HANGS:
+        if name in WAYS:
             continue
         script = (root / "solutions" / "exercises" / ex.script).read_text(encoding="utf-8")
         answers = "".join(re.findall(r"#\s*BEGIN SOLUTION\b(.*?)#\s*END SOLUTION\b", script, flags=re.S))
@@ -193,7 +197,7 @@ def _no_process_left(path: Path) -> list[int]:
 STALLS_FIRST = {"13_two_d_plan"}
 
 
-@pytest.mark.parametrize("name", [n for n in HANGS if n not in STALLS_FIRST])
+@pytest.mark.parametrize("name", [n for n in WAYS if n not in STALLS_FIRST])
 def test_a_rank_that_never_arrives_when_the_collective_times_out_shows_every_ranks_line(graded, name):
     """Rank 1 never reaches the collective; the other ranks' process group gives up: the verdict shows
     the line each of them raised at, and rank 1's own line, taken before torchrun stopped it."""

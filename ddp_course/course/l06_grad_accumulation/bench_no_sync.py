@@ -202,15 +202,9 @@ def worker(opts: dict[str, Any]) -> None:
                timeout_s=(300.0, "wall-clock limit of each job (all its processes are stopped after it)"))
 def run_bench(opts: dict[str, Any]) -> dict[str, Any]:
     """Run the bench with parsed options; returns the result written to ``<out>/no_sync.json``."""
-    from ddp_course.dist import cpu_count
-
-    base = Path(opts["out"]).resolve()
-    cores = cpu_count()
-    device, world_sizes, reason = harness.study_device(opts["device"], opts["world_sizes"])
-    opts = {**opts, "device": device, "world_sizes": world_sizes}
-    print(f"[no_sync bench] {reason}", flush=True)
+    base, opts, about = harness.study_start("no_sync bench", opts, "world_sizes")
     print(f"[no_sync bench] K = {', '.join(map(str, opts['ks']))} on {', '.join(map(str, opts['world_sizes']))} "
-          f"process(es), {opts['threads']} thread(s) each, {cores} core(s) visible; MiniGPT {opts['n_layer']} layers x "
+          f"process(es), {opts['threads']} thread(s) each, {about['cpu_count']} core(s) visible; MiniGPT {opts['n_layer']} layers x "
           f"{opts['n_embd']} wide, micro-batch {opts['micro_batch_size']} x {opts['block_size']} tokens; "
           f"{opts['rounds']} rounds x {opts['steps']} steps", flush=True)
     worker_opts = {k: opts[k] for k in ("rounds", "steps", "warmup", "micro_batch_size", "block_size", "n_layer",
@@ -252,7 +246,7 @@ def run_bench(opts: dict[str, Any]) -> dict[str, Any]:
         print(f"world {job['world_size']}: one all-reduce of the {job['n_params']:,}-parameter gradient takes "
               f"{job['allreduce_s'] * 1e3:.2f} ms ({job['n_buckets']} bucket(s), {job['backend']} on {job['device']})"
               + (" [oversubscribed]" if job["oversubscribed"] else ""))
-    return {"bench": NAME, "options": opts, "device_reason": reason, "cpu_count": cores, "jobs": jobs}
+    return {"bench": NAME, "options": opts, **about, "jobs": jobs}
 
 
 bench, main = harness.entry_points(NAME)

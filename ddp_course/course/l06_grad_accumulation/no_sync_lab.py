@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from ddp_course import parallel
 from ddp_course.cli import FlagError, command, parse_flags
-from ddp_course.course.options import require_device, write_result
+from ddp_course.course.options import lab_help, require_device, write_result
 from ddp_course.course.tiny import AllReduceCounter, micro_batch, reference_gradient, tiny_model
 from ddp_course.dist import log, setup
 
@@ -65,19 +65,10 @@ DEFAULTS: dict[str, Any] = {
     "device": "auto",  # auto | cpu | cuda
 }
 
-HELP = {
-    "out_dir": "where rank 0 writes no_sync_lab.json",
-    "k": "micro-batches per optimizer step (K)",
-    "n_micro": "micro-batches per rank in all; if not a multiple of K the last step takes the leftover",
-    "micro_batch_size": "sequences per micro-batch per rank",
-    "block_size": "tokens per sequence",
-    "n_layer": "transformer blocks", "n_head": "attention heads", "n_embd": "model width",
-    "bucket_cap_mb": "DDP gradient bucket size",
-    "seed": "model init and data",
-    "variants": "comma-separated variant names, or all",
-    "timeout_s": "process-group timeout in seconds",
-    "device": "auto (NCCL on GPUs when each rank has one, else gloo on CPU) | cpu | cuda",
-}
+HELP = lab_help("no_sync_lab", DEFAULTS, k="micro-batches per optimizer step (K)",
+                n_micro="micro-batches per rank in all; if not a multiple of K the last step takes the leftover",
+                micro_batch_size="sequences per micro-batch per rank", bucket_cap_mb="DDP gradient bucket size",
+                seed="model init and data", variants="comma-separated variant names, or all")
 
 # name -> (what the loop does, in one line)
 VARIANTS: dict[str, str] = {

@@ -50,9 +50,9 @@ def forgetting(part: str):
     """While active, ``checkpoint.resume`` restores everything except ``part``."""
     real = checkpoint.resume
 
-    def resume(path, model, optimizer, scaler, info, shape=None):
+    def resume(path, model, optimizer, scaler, info, shape=None, **kwargs):
         fresh_rng = checkpoint.rng_state(info.device)  # as a run that starts from scratch has them
-        meta = real(path, model, optimizer, scaler, info, shape)
+        meta = real(path, model, optimizer, scaler, info, shape, **kwargs)  # kwargs: the job's plan
         if part == "rng":
             checkpoint.set_rng_state(fresh_rng, info.device)
             meta = {**meta, "rng": None}

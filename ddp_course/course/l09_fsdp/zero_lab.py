@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from ddp_course.cli import FlagError, command, parse_flags
 from ddp_course.course.l09_fsdp import memory
-from ddp_course.course.options import require_device
+from ddp_course.course.options import lab_help, require_device
 from ddp_course.course.tiny import VOCAB, micro_batch, tiny_model
 from ddp_course.dist import log, setup
 from ddp_course.metrics import write_json
@@ -44,15 +44,9 @@ DEFAULTS: dict[str, Any] = {
     "timeout_s": 60.0,
     "device": "auto",
 }
-HELP = {
-    "out_dir": "where rank 0 writes zero_lab.json",
-    "steps": "optimizer steps of each copy",
-    "block_size": "tokens per sequence", "n_layer": "transformer blocks", "n_head": "attention heads",
-    "n_embd": "model width", "micro_batch_size": "sequences per rank per step",
-    "lr": "AdamW's learning rate (both copies)", "seed": "model init and data",
-    "timeout_s": "process-group timeout in seconds",
-    "device": "auto (NCCL on GPUs when each rank has one, else gloo on CPU) | cpu | cuda",
-}
+HELP = lab_help("zero_lab", DEFAULTS, steps="optimizer steps of each copy",
+                micro_batch_size="sequences per rank per step", lr="AdamW's learning rate (both copies)",
+                seed="model init and data")
 
 
 def state_bytes(optimizer: torch.optim.Optimizer) -> int:

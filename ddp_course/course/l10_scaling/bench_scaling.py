@@ -237,14 +237,8 @@ def worker(opts: dict[str, Any]) -> None:
 @harness.bench(NAME, check=_check, worker=worker, **OPTIONS)
 def run_bench(opts: dict[str, Any]) -> dict[str, Any]:
     """Run the bench with parsed options; returns the result written to ``<out>/scaling.json``."""
-    from ddp_course.dist import cpu_count
-
-    base = Path(opts["out"]).resolve()
-    cores = cpu_count()
-    device, nprocs, reason = harness.study_device(opts["device"], opts["nprocs"])  # one device for every job
-    opts = {**opts, "device": device, "nprocs": nprocs}
-    print(f"[scaling] {reason}", flush=True)
-    print(f"[scaling] {', '.join(map(str, opts['nprocs']))} process(es) x {opts['threads']} thread(s), {cores} core(s) "
+    base, opts, about = harness.study_start("scaling", opts, "nprocs")  # one device for every job
+    print(f"[scaling] {', '.join(map(str, opts['nprocs']))} process(es) x {opts['threads']} thread(s), {about['cpu_count']} core(s) "
           f"visible; MiniGPT {opts['n_layer']} layers x {opts['n_embd']} wide, {opts['block_size']} tokens per sequence; "
           f"weak: {opts['micro_batch_size']} sequences per rank, strong: {opts['global_batch']} per step in all; "
           f"{opts['steps']} steps per run", flush=True)
@@ -289,7 +283,7 @@ def run_bench(opts: dict[str, Any]) -> dict[str, Any]:
               f"{p['allreduce_full_gradient'] * 1e3:>12.2f}")
     print(f"\nstrong scaling: final losses {', '.join(f'{v:.6f}' for v in strong_losses)} "
           f"(largest difference {strong_gap:.1e}: the same global batch trains the same model)")
-    return {"bench": NAME, "options": opts, "device_reason": reason, "cpu_count": cores,
+    return {"bench": NAME, "options": opts, **about,
             "weak": table["weak"], "strong": table["strong"],
             "phases": phases, "jobs": jobs, "strong_final_loss_gap": strong_gap}
 

@@ -54,7 +54,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ddp_course.cli import FlagError, command, number_list, parse_flags
-from ddp_course.course.options import require_device, write_result
+from ddp_course.course.options import lab_help, require_device, write_result
 from ddp_course.data import CharTokenizer, load_corpus
 from ddp_course.dist import log, setup
 from ddp_course.metrics import environment, load_average
@@ -95,23 +95,17 @@ DEFAULTS: dict[str, Any] = {
     "device": "auto",
 }
 
-HELP = {
-    "out_dir": "where rank 0 writes pp_lab.json",
-    "n_layer": "transformer blocks, split evenly over the stages (at least one per stage)",
-    "n_head": "attention heads", "n_embd": "model width", "block_size": "tokens per sequence",
-    "batch_size": "sequences per optimizer step (the global batch), divisible by every m",
-    "micro_batches": "comma-separated micro-batch counts m whose bubble is timed, e.g. 1,2,4,8",
-    "repeats": "timed steps per m (interleaved over m), after one untimed step each",
-    "parity_steps": "optimizer steps of the parity check",
-    "parity_micro_batches": "micro-batches per step in the parity check",
-    "lr": "AdamW learning rate",
-    "mistakes": "also run the mistakes no_tied_sync and no_loss_scale in the parity check",
-    "library": "also run torch.distributed.pipelining (PipelineStage, ScheduleGPipe)",
-    "corpus": "tinyshakespeare, offline, or a path to a text file",
-    "seed": "model init and the choice of batches",
-    "timeout_s": "process-group timeout in seconds",
-    "device": "auto (NCCL on GPUs when each rank has one, else gloo on CPU) | cpu | cuda",
-}
+HELP = lab_help("pp_lab", DEFAULTS,
+                n_layer="transformer blocks, split evenly over the stages (at least one per stage)",
+                batch_size="sequences per optimizer step (the global batch), divisible by every m",
+                micro_batches="comma-separated micro-batch counts m whose bubble is timed, e.g. 1,2,4,8",
+                repeats="timed steps per m (interleaved over m), after one untimed step each",
+                parity_steps="optimizer steps of the parity check",
+                parity_micro_batches="micro-batches per step in the parity check",
+                mistakes="also run the mistakes no_tied_sync and no_loss_scale in the parity check",
+                library="also run torch.distributed.pipelining (PipelineStage, ScheduleGPipe)",
+                corpus="tinyshakespeare, offline, or a path to a text file",
+                seed="model init and the choice of batches")
 
 VARIANTS = {
     "gpipe": "micro-batch losses divided by m, the tied matrix's gradients summed between the first and last stage",

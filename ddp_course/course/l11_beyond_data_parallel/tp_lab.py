@@ -42,7 +42,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ddp_course.cli import FlagError, command, parse_flags
-from ddp_course.course.options import require_device
+from ddp_course.course.options import lab_help, require_device
 from ddp_course.course.tiny import tiny_model
 from ddp_course.dist import log, setup
 from ddp_course.metrics import write_json
@@ -64,16 +64,10 @@ DEFAULTS: dict[str, Any] = {
     "lr": 3e-3, "seed": 0, "corpus": "tinyshakespeare",
     "device": "auto", "timeout_s": 60.0,
 }
-HELP = {
-    "out_dir": "where rank 0 writes tp_lab.json",
-    "steps": "AdamW steps, tensor-parallel and one process side by side",
-    "n_layer": "transformer blocks", "n_head": "attention heads (a multiple of the number of ranks)",
-    "n_embd": "model width (its heads and 4 x n_embd hidden units split evenly over the ranks)",
-    "block_size": "tokens per sequence", "batch_size": "sequences per step (every rank the same)",
-    "lr": "AdamW learning rate", "seed": "model initialisation and batch order", "corpus": "the training text",
-    "device": "auto (NCCL on GPUs when each rank has one, else gloo on CPU) | cpu | cuda",
-    "timeout_s": "process-group timeout in seconds",
-}
+HELP = lab_help("tp_lab", DEFAULTS, steps="AdamW steps, tensor-parallel and one process side by side",
+                n_head="attention heads (a multiple of the number of ranks)",
+                n_embd="model width (its heads and 4 x n_embd hidden units split evenly over the ranks)",
+                batch_size="sequences per step (every rank the same)", seed="model initialisation and batch order")
 
 
 # --------------------------------------------------------------------------------------------------

@@ -41,7 +41,7 @@ from ddp_course.course.l13_two_dimensions.two_d_harness import (
     UPDATE_RTOL,
     train_side_by_side,
 )
-from ddp_course.course.options import write_result
+from ddp_course.course.options import lab_help, write_result
 from ddp_course.dist import log, setup
 from ddp_course.model import GPTConfig, MiniGPT
 from ddp_course.parallel import _tensor_parallel as tp_plan
@@ -52,15 +52,12 @@ DEFAULTS: dict[str, Any] = {
     "batch_size": 8, "lr": 3e-3, "seed": 0, "variants": "sp,no_sp,vocab", "corpus": "tinyshakespeare",
     "timeout_s": 60.0,
 }
-HELP = {
-    "out_dir": "where rank 0 writes two_d_lab.json", "tp": "tensor-parallel ranks (dp is the rest of the world size)",
-    "steps": "AdamW steps of every variant and of the one-process reference", "n_layer": "transformer blocks",
-    "n_head": "attention heads (divisible by --tp)", "n_embd": "model width (divisible by --tp)",
-    "block_size": "tokens per sequence (divisible by --tp: sequence parallelism splits it)",
-    "batch_size": "sequences per step, the whole global batch (divisible by dp)", "lr": "AdamW learning rate",
-    "seed": "model initialisation and the batches", "variants": "comma-separated: sp, no_sp, vocab",
-    "corpus": "the training text", "timeout_s": "process-group timeout in seconds",
-}
+HELP = lab_help("two_d_lab", DEFAULTS, tp="tensor-parallel ranks (dp is the rest of the world size)",
+                steps="AdamW steps of every variant and of the one-process reference",
+                n_head="attention heads (divisible by --tp)", n_embd="model width (divisible by --tp)",
+                block_size="tokens per sequence (divisible by --tp: sequence parallelism splits it)",
+                batch_size="sequences per step, the whole global batch (divisible by dp)",
+                seed="model initialisation and the batches", variants="comma-separated: sp, no_sp, vocab")
 VARIANTS = {
     "sp": "FSDP over dp x tensor parallel over tp, sequence parallel norms and residual stream",
     "no_sp": "FSDP over dp x tensor parallel over tp, the residual stream replicated in each tp group",

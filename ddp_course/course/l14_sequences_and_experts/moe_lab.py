@@ -31,7 +31,7 @@ import torch.distributed as dist
 from ddp_course.cli import FlagError, command, parse_flags
 from ddp_course.course.l11_beyond_data_parallel.tp_lab import same_batches  # global batches of the corpus
 from ddp_course.course.l14_sequences_and_experts import experts as moe
-from ddp_course.course.options import write_result
+from ddp_course.course.options import lab_help, write_result
 from ddp_course.dist import DistInfo, log, setup
 
 PROG = "torchrun --standalone --nproc_per_node=4 -m ddp_course.course.l14_sequences_and_experts.moe_lab"
@@ -41,18 +41,15 @@ DEFAULTS: dict[str, Any] = {
     "n_embd": 32, "block_size": 32, "batch_size": 8, "lr": 3e-3, "seed": 0, "corpus": "tinyshakespeare",
     "timeout_s": 60.0,
 }
-HELP = {
-    "out_dir": "where rank 0 writes moe_lab.json", "n_experts": "experts per block (divisible by the ranks)",
-    "top_k": "experts per token: 1 or 2", "capacity_factor": "capacity of the parity runs (below 1: slots drop)",
-    "aux_coef": "weight of the load-balancing loss (parity, and the second training run)",
-    "steps": "AdamW steps of the parity runs", "fp64": "repeat the parity in float64",
-    "train_steps": "AdamW steps of each training run (0: none)",
-    "train_capacity_factor": "capacity of the training runs", "n_layer": "transformer blocks",
-    "n_head": "attention heads", "n_embd": "model width", "block_size": "tokens per sequence",
-    "batch_size": "sequences per step, the whole global batch (divisible by the ranks)",
-    "lr": "AdamW learning rate", "seed": "model initialisation and the batches", "corpus": "the training text",
-    "timeout_s": "process-group timeout in seconds",
-}
+HELP = lab_help("moe_lab", DEFAULTS, n_experts="experts per block (divisible by the ranks)",
+                top_k="experts per token: 1 or 2",
+                capacity_factor="capacity of the parity runs (below 1: slots drop)",
+                aux_coef="weight of the load-balancing loss (parity, and the second training run)",
+                steps="AdamW steps of the parity runs", fp64="repeat the parity in float64",
+                train_steps="AdamW steps of each training run (0: none)",
+                train_capacity_factor="capacity of the training runs",
+                batch_size="sequences per step, the whole global batch (divisible by the ranks)",
+                seed="model initialisation and the batches")
 # Tolerances of the float32 parity. Both sides do the same arithmetic on the same rows, grouped
 # differently: the one-process matmuls see 256 rows where a rank sees 64, an expert's rows arrive in
 # other batches, a token's two experts are added in another order, the losses and gradients are

@@ -38,7 +38,7 @@ from ddp_course.cli import FlagError, command, parse_flags
 from ddp_course.course.l11_beyond_data_parallel.tp_lab import same_batches  # --steps batches of the corpus
 from ddp_course.course.l14_sequences_and_experts import context_parallel as cp
 from ddp_course.course.l14_sequences_and_experts import ring as R
-from ddp_course.course.options import write_result
+from ddp_course.course.options import lab_help, write_result
 from ddp_course.dist import log, seeded, setup
 from ddp_course.model import GPTConfig, MiniGPT
 
@@ -48,16 +48,13 @@ DEFAULTS: dict[str, Any] = {
     "steps": 200, "n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 64, "batch_size": 8, "lr": 3e-3,
     "seed": 0, "corpus": "tinyshakespeare", "timeout_s": 60.0,
 }
-HELP = {
-    "out_dir": "where rank 0 writes ring_lab.json", "parity_seq": "tokens of the parity check's sequence",
-    "seq": "tokens of the sequence whose work, bytes and memory are measured", "heads": "attention heads",
-    "head_dim": "size of one head", "repeats": "forward-and-backward passes timed per layout",
-    "steps": "AdamW steps of MiniGPT on the ring and of the one-process reference", "n_layer": "transformer blocks",
-    "n_head": "MiniGPT's heads", "n_embd": "MiniGPT's width", "block_size": "MiniGPT's sequence length",
-    "batch_size": "sequences per step (every rank reads the same ones, its chunks of them)",
-    "lr": "AdamW learning rate", "seed": "tensors, weights and batches", "corpus": "the training text",
-    "timeout_s": "process-group timeout in seconds",
-}
+HELP = lab_help("ring_lab", DEFAULTS, parity_seq="tokens of the parity check's sequence",
+                seq="tokens of the sequence whose work, bytes and memory are measured", heads="attention heads",
+                head_dim="size of one head", repeats="forward-and-backward passes timed per layout",
+                steps="AdamW steps of MiniGPT on the ring and of the one-process reference", n_head="MiniGPT's heads",
+                n_embd="MiniGPT's width", block_size="MiniGPT's sequence length",
+                batch_size="sequences per step (every rank reads the same ones, its chunks of them)",
+                seed="tensors, weights and batches")
 # Parity bound, float32: ||ring - one process|| / ||one process||. Both compute the same sums in other
 # orders (blocks merged through the log-sum-exp against PyTorch's kernel), so they differ by rounding:
 # float32's unit roundoff is 6e-8, and the float64 run of the same code (~1e-15) shows that nothing

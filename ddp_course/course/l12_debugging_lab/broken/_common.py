@@ -61,6 +61,15 @@ def flags(argv: list[str], defaults: dict[str, Any], prog: str) -> dict[str, Any
     return parse_flags(argv, {"out_dir": "runs/broken", "timeout_s": INIT_TIMEOUT_S, **defaults}, prog)
 
 
+@contextmanager
+def started(argv: list[str], defaults: dict[str, Any], prog: str) -> Iterator[tuple[dict[str, Any], Any, Record]]:
+    """A program's opening: its options (:func:`flags`), the process group on the CPU with ``--timeout_s``
+    (:func:`cpu_setup`) and this rank's :class:`Record`: ``with started(...) as (opts, info, rec):``."""
+    opts = flags(argv, defaults, prog)
+    with cpu_setup(opts["timeout_s"]) as info:  # by design: see CPU_BY_DESIGN
+        yield opts, info, Record(opts["out_dir"], info.rank)
+
+
 class Record:
     """This rank's record: ``note(key=value)`` stores and writes ``<out_dir>/rank<R>.json`` at once."""
 

@@ -22,7 +22,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from torch.utils.data import DataLoader, DistributedSampler
 
 from ddp_course.cli import command
-from ddp_course.course.l12_debugging_lab.broken._common import Record, cpu_setup, flags
+from ddp_course.course.l12_debugging_lab.broken._common import started
 from ddp_course.dist import log
 
 PROG = "torchrun --standalone --nproc_per_node=2 -m ddp_course.course.l12_debugging_lab.broken.no_set_epoch"
@@ -44,9 +44,7 @@ def epochs_seen(rank: int, world: int, n: int, batch: int, epochs: int, call_set
 @record
 @command
 def main(argv: list[str]) -> None:
-    opts = flags(argv, {"epochs": 3, "n": 16, "batch": 4}, PROG)
-    with cpu_setup(opts["timeout_s"]) as info:  # by design: see _common.CPU_BY_DESIGN
-        rec = Record(opts["out_dir"], info.rank)
+    with started(argv, {"epochs": 3, "n": 16, "batch": 4}, PROG) as (opts, info, rec):  # see _common.CPU_BY_DESIGN
         for variant, call in (("broken", False), ("fixed", True)):
             seen = epochs_seen(info.rank, info.world_size, opts["n"], opts["batch"], opts["epochs"], call)
             rec.note(**{variant: seen})

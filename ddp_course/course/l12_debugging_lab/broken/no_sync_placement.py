@@ -31,7 +31,11 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddp_course.cli import command
-from ddp_course.course.l12_debugging_lab.broken._common import Record, cpu_setup, flags, tiny_model, token_batch
+from ddp_course.course.l12_debugging_lab.broken._common import (
+    started,
+    tiny_model,
+    token_batch,
+)
 from ddp_course.course.tiny import AllReduceCounter
 from ddp_course.dist import log
 
@@ -61,9 +65,7 @@ def accumulate(model: DDP, micro: list, variant: str) -> None:
 @record
 @command
 def main(argv: list[str]) -> None:
-    opts = flags(argv, {"k": 4, "steps": 2, "batch": 4}, PROG)
-    with cpu_setup(opts["timeout_s"]) as info:  # by design: see _common.CPU_BY_DESIGN
-        rec = Record(opts["out_dir"], info.rank)
+    with started(argv, {"k": 4, "steps": 2, "batch": 4}, PROG) as (opts, info, rec):  # see _common.CPU_BY_DESIGN
         for variant in VARIANTS:
             model = DDP(tiny_model())
             counter = AllReduceCounter(model)

@@ -28,7 +28,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddp_course.cli import command
-from ddp_course.course.l12_debugging_lab.broken._common import Record, cpu_setup, flags
+from ddp_course.course.l12_debugging_lab.broken._common import started
 from ddp_course.data import prepare, train_sampler
 from ddp_course.dist import log
 from ddp_course.model import GPTConfig, MiniGPT
@@ -50,9 +50,7 @@ def batches_for(variant: str, n: int, batch: int, steps: int, rank: int, world: 
 @record
 @command
 def main(argv: list[str]) -> None:
-    opts = flags(argv, {"steps": 4, "batch": 4, "seed": 1337, "corpus": "tinyshakespeare"}, PROG)
-    with cpu_setup(opts["timeout_s"]) as info:  # by design: see _common.CPU_BY_DESIGN
-        rec = Record(opts["out_dir"], info.rank)
+    with started(argv, {"steps": 4, "batch": 4, "seed": 1337, "corpus": "tinyshakespeare"}, PROG) as (opts, info, rec):  # see _common.CPU_BY_DESIGN
         data = prepare(opts["corpus"], 32, 0.1, announce=lambda m: log(m))
         ds = data.train
         for variant in ("broken", "fixed"):

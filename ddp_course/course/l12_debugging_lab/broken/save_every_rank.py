@@ -32,7 +32,11 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddp_course.cli import command
-from ddp_course.course.l12_debugging_lab.broken._common import Record, cpu_setup, flags, tiny_model, token_batch
+from ddp_course.course.l12_debugging_lab.broken._common import (
+    started,
+    tiny_model,
+    token_batch,
+)
 from ddp_course.dist import log
 
 PROG = "torchrun --standalone --nproc_per_node=2 -m ddp_course.course.l12_debugging_lab.broken.save_every_rank"
@@ -48,9 +52,7 @@ def save(model: DDP, path: Path, rank: int) -> dict:
 @record
 @command
 def main(argv: list[str]) -> None:
-    opts = flags(argv, {"steps": 2, "n_embd": 256}, PROG)
-    with cpu_setup(opts["timeout_s"]) as info:  # by design: see _common.CPU_BY_DESIGN
-        rec = Record(opts["out_dir"], info.rank)
+    with started(argv, {"steps": 2, "n_embd": 256}, PROG) as (opts, info, rec):  # see _common.CPU_BY_DESIGN
         out = Path(opts["out_dir"])
         model = DDP(tiny_model(n_embd=opts["n_embd"]))
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
