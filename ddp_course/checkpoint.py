@@ -39,7 +39,8 @@ Every function that touches them takes ``plan``, anything with :class:`States`'s
 training job hands its strategy's plan (``parallel.Strategy``). Without one, :data:`DCP` reads them
 with ``torch.distributed.checkpoint``'s ``get_state_dict``, which is right for a plain model and for
 DDP, FSDP and FSDP1 (the strategies that keep PyTorch's defaults); ZeRO-1 and FSDP x TP bring their
-own. This module never looks the plan up: it does not import ``parallel``.
+own, and a model they wrapped is refused without its plan (:func:`has_own_states`). This module never
+looks the plan up: it does not import ``parallel``.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ import random
 import re
 import shutil
 import warnings
+import weakref
 import zipfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -121,6 +123,25 @@ class _DCPStates:
 
 
 DCP: States = _DCPStates()  # the default plan: a plain, DDP, FSDP or FSDP1 model
+
+# Models wrapped by a strategy whose state dicts are its own (``parallel.Strategy.wrap`` notes them):
+# read with the default plan they would be saved or hashed otherwise than their strategy reads them
+# (ZeRO-1's optimizer state left out, FSDP x TP's rows in their sharded order), so that is refused.
+_OWN_STATES: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
+
+
+def has_own_states(model: nn.Module, strategy: str) -> None:
+    """Note that ``--strategy=strategy`` reads ``model``'s states with hooks of its own: checkpoint then
+    refuses ``model`` without ``plan=`` (called by ``parallel.Strategy.wrap``)."""
+    _OWN_STATES[model] = strategy
+
+
+def _check_plan(model: nn.Module, plan: States) -> None:
+    strategy = _OWN_STATES.get(model) if plan is DCP else None
+    if strategy is not None:
+        raise CheckpointError(f"this model was wrapped by --strategy={strategy}, whose state dicts are its own: "
+                              f"pass plan=ddp_course.parallel.get({strategy!r}) to the checkpoint functions "
+                              "(the training job hands its own plan).")
 
 
 # --- where checkpoints live ------------------------------------------------------------------------
@@ -318,6 +339,7 @@ def save(out_dir: str | os.PathLike, step: int, model: nn.Module, optimizer: tor
     (the strategy's; see :class:`States`).
     """
     _check_format(fmt)
+    _check_plan(model, plan)
     d = ckpt_dir(out_dir)
     path = checkpoint_path(out_dir, step, fmt)
     meta = {"format": fmt, "step": int(step), "shape": dict(shape), "world_size": info.world_size,
@@ -365,6 +387,7 @@ def save_final(out_dir: str | os.PathLike, step: int, model: nn.Module, info: Di
 
     A collective (every rank calls it). Cheap: the model only, no optimizer.
     """
+    _check_plan(model, plan)
     model_sd = plan.model_state_dict(model, _full_options(info.device))
     path = Path(out_dir) / FINAL
     if info.is_main:
@@ -432,6 +455,7 @@ def restore(state: dict[str, Any], model: nn.Module, optimizer: torch.optim.Opti
     """Put a ``full`` checkpoint's states into the objects (every rank); returns the step to continue from."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
+    _check_plan(model, plan)
     try:
         plan.load_state_dict(model, optimizer, state["model"], state["optimizer"], StateDictOptions(full_state_dict=True))
     except (RuntimeError, KeyError, ValueError) as exc:
@@ -538,6 +562,7 @@ def resume(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Opt
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"checkpoint {path} does not exist.")
+    _check_plan(model, plan)
     if path.is_file():
         state = load(path, "cpu", shape)  # CPU copies; load_state_dict moves them to each rank's device
         restore(state, model, optimizer, scaler, info, path, plan=plan)
@@ -637,6 +662,7 @@ def fingerprint(model: nn.Module, optimizer: torch.optim.Optimizer | None = None
         else:
             h.update(repr(obj).encode())
 
+    _check_plan(model, plan)
     full = StateDictOptions(full_state_dict=True)  # whole tensors on every rank
     if optimizer is None or not plan.has_state(optimizer):  # (an empty state would be initialised by the call)
         feed(plan.model_state_dict(model, full))

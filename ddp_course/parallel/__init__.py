@@ -51,7 +51,8 @@ steps and samples through it, and hands it to ``checkpoint`` (which never looks 
 only holds a wrapped model (a lesson calling ``train_step``) finds its plan with :func:`strategy_of`
 (:meth:`Strategy.wrap` records it; a wrapper built by hand is recorded with :func:`record`): nothing
 asks the model which wrapper it is. A model nobody wrapped here gets the defaults, right for a plain
-model.
+model. ``checkpoint`` uses PyTorch's state dicts unless handed ``plan=``; a model wrapped by a strategy
+with state-dict hooks of its own (ZeRO-1, FSDP x TP) is refused there without its plan.
 """
 
 from __future__ import annotations
@@ -72,7 +73,7 @@ import torch.nn as nn
 if TYPE_CHECKING:  # imported where used: torch.distributed.checkpoint is slow to import
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-from ddp_course.checkpoint import DCP
+from ddp_course.checkpoint import DCP, has_own_states
 from ddp_course.config import ConfigError, TrainConfig
 from ddp_course.dist import DistInfo
 
@@ -144,6 +145,7 @@ class StrategyModule(Protocol):
 HOOKS: dict[str, int] = {name: len(inspect.signature(fn).parameters) - 1
                          for name, fn in vars(StrategyModule).items() if inspect.isfunction(fn) and name[0] != "_"}
 CONSTANTS = ("NEEDS_PROCESS_GROUP", "LAUNCH_EXAMPLE", "OPTIONS")
+STATE_HOOKS = ("state_dict", "load_state_dict", "model_state_dict", "has_state")  # what checkpoint asks
 
 
 def check_module(module: Any) -> None:
@@ -209,8 +211,14 @@ class Strategy:
         why = self.refusal(info.is_distributed, info.world_size)
         if why:
             raise ConfigError(why)
-        wrapped = self.module.wrap(model, info, cfg)
+        return self.note(self.module.wrap(model, info, cfg))
+
+    def note(self, wrapped: nn.Module) -> nn.Module:
+        """Record that ``wrapped`` is this strategy's (:func:`strategy_of` finds it; checkpoint refuses it
+        without this plan when the strategy reads its states with hooks of its own); returns it."""
         _WRAPPED[wrapped] = self
+        if any(callable(vars(self.module).get(hook)) for hook in STATE_HOOKS):
+            has_own_states(wrapped, self.name)
         return wrapped
 
     def build_optimizer(self, model: nn.Module, cfg: Any, device: torch.device) -> torch.optim.Optimizer:
@@ -275,8 +283,7 @@ def wrap(model: nn.Module, info: DistInfo, cfg: TrainConfig) -> nn.Module:
 def record(model: nn.Module, name: str) -> nn.Module:
     """Note that ``model`` is strategy ``name``'s wrapper, built by hand (a lesson that calls
     ``DistributedDataParallel(...)`` itself, then the course's ``train_step``); returns it."""
-    _WRAPPED[model] = get(name)
-    return model
+    return get(name).note(model)
 
 
 def strategy_of(model: nn.Module) -> Strategy:

@@ -115,6 +115,31 @@ def _fresh(shape: dict, seed: int = 1):
     return model, build_optimizer(model, TrainConfig(), torch.device("cpu"))
 
 
+def test_a_model_whose_strategy_reads_its_own_states_is_refused_without_its_plan(tmp_path):
+    """ZeRO-1 and FSDP x TP read their states with hooks of their own; checkpoint's default (PyTorch's
+    state dicts) would save or hash such a model otherwise (ZeRO-1's optimizer state left out), so a
+    model they wrapped is refused without ``plan=``, before anything is written. ZeRO-1's hooks, on a
+    stand-in wrapper that needs no process group."""
+    import types
+
+    from ddp_course import parallel
+
+    zero1 = parallel.Strategy("zero1")  # a plan of its own, not the one parallel.get caches
+    zero1.module = types.SimpleNamespace(**{**vars(zero1.module), "NEEDS_PROCESS_GROUP": False,
+                                            "wrap": lambda model, info, cfg: model})
+    model, opt = _fresh(SHAPE)
+    model = zero1.wrap(model, DistInfo(), TrainConfig())
+    refused = r"wrapped by --strategy=zero1.*plan=ddp_course\.parallel\.get\('zero1'\)"
+    for call in (lambda: checkpoint.fingerprint(model, opt),
+                 lambda: checkpoint.save(tmp_path, 1, model, opt, None, DistInfo(), SHAPE),
+                 lambda: checkpoint.save_final(tmp_path, 1, model, DistInfo())):
+        with pytest.raises(CheckpointError, match=refused):
+            call()
+    assert not any(tmp_path.iterdir())  # refused before a byte was written
+    plain, _ = _fresh(SHAPE)
+    assert checkpoint.fingerprint(plain) == checkpoint.fingerprint(model, plan=parallel.get("single"))
+
+
 def _load_one_process(path: Path):
     shape = checkpoint.load(path)["shape"]
     model, opt = _fresh(shape)
