@@ -39,7 +39,7 @@ Every function that touches them takes ``plan``, anything with :class:`States`'s
 training job hands its strategy's plan (``parallel.Strategy``). Without one, :data:`DCP` reads them
 with ``torch.distributed.checkpoint``'s ``get_state_dict``, which is right for a plain model and for
 DDP, FSDP and FSDP1 (the strategies that keep PyTorch's defaults); ZeRO-1 and FSDP x TP bring their
-own, and a model they wrapped is refused without its plan (:func:`has_own_states`). This module never
+own, and a model they wrapped is refused without its plan (:data:`OWN_STATES`). This module never
 looks the plan up: it does not import ``parallel``.
 """
 
@@ -124,20 +124,15 @@ class _DCPStates:
 
 DCP: States = _DCPStates()  # the default plan: a plain, DDP, FSDP or FSDP1 model
 
-# Models wrapped by a strategy whose state dicts are its own (``parallel.Strategy.wrap`` notes them):
-# read with the default plan they would be saved or hashed otherwise than their strategy reads them
-# (ZeRO-1's optimizer state left out, FSDP x TP's rows in their sharded order), so that is refused.
-_OWN_STATES: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
-
-
-def has_own_states(model: nn.Module, strategy: str) -> None:
-    """Note that ``--strategy=strategy`` reads ``model``'s states with hooks of its own: checkpoint then
-    refuses ``model`` without ``plan=`` (called by ``parallel.Strategy.wrap``)."""
-    _OWN_STATES[model] = strategy
+# Models wrapped by a strategy that reads their states with hooks of its own, and its name: read with
+# the default plan they would be saved or hashed otherwise than their strategy reads them (ZeRO-1's
+# optimizer state left out, FSDP x TP's rows in their sharded order), so that is refused.
+# ``parallel.Strategy.wrap`` writes it; checkpoint only reads it.
+OWN_STATES: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
 
 
 def _check_plan(model: nn.Module, plan: States) -> None:
-    strategy = _OWN_STATES.get(model) if plan is DCP else None
+    strategy = OWN_STATES.get(model) if plan is DCP else None
     if strategy is not None:
         raise CheckpointError(f"this model was wrapped by --strategy={strategy}, whose state dicts are its own: "
                               f"pass plan=ddp_course.parallel.get({strategy!r}) to the checkpoint functions "

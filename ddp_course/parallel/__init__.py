@@ -73,7 +73,7 @@ import torch.nn as nn
 if TYPE_CHECKING:  # imported where used: torch.distributed.checkpoint is slow to import
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-from ddp_course.checkpoint import DCP, has_own_states
+from ddp_course.checkpoint import DCP, OWN_STATES
 from ddp_course.config import ConfigError, TrainConfig
 from ddp_course.dist import DistInfo
 
@@ -218,7 +218,7 @@ class Strategy:
         without this plan when the strategy reads its states with hooks of its own); returns it."""
         _WRAPPED[wrapped] = self
         if any(callable(vars(self.module).get(hook)) for hook in STATE_HOOKS):
-            has_own_states(wrapped, self.name)
+            OWN_STATES[wrapped] = self.name
         return wrapped
 
     def build_optimizer(self, model: nn.Module, cfg: Any, device: torch.device) -> torch.optim.Optimizer:
