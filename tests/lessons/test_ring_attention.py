@@ -9,6 +9,7 @@ The job is the notebook's: under ``make test`` the fixture reads the notebook's 
 from __future__ import annotations
 
 import json
+import statistics
 
 import notebook_runs
 import pytest
@@ -65,8 +66,13 @@ def test_work_and_bytes_per_rank_are_the_formulas(lab):
             assert (m["blocks"], m["score_elements"]) == (p["blocks"], p["score_elements"]), (kind, rank)
             assert m["bytes_sent"] == m["predicted_bytes"], (kind, rank)
     cpu = {k: [r["compute_s"] for r in v["per_rank"]] for k, v in lab["layouts"].items()}
-    # the plain split's last rank computes 4 blocks to the first rank's 1: it works longest
-    assert cpu["plain"][-1] == max(cpu["plain"]) and cpu["plain"][-1] > 1.5 * cpu["plain"][0], cpu
+    # The plain split's last rank computes 4 blocks to the first rank's 1 (about 3 times its CPU time,
+    # measured), and zig-zag evens the ranks out. Neighbouring ranks differ by one block in 3 or 4, less
+    # than CPU times move on 2 shared cores: under a loaded suite rank 3 once measured 6% below rank 2.
+    # So only the large ratios are asserted, not the order of every rank.
+    assert cpu["plain"][-1] > 1.5 * cpu["plain"][0], cpu
+    busiest = {k: max(v) / statistics.mean(v) for k, v in cpu.items()}
+    assert busiest["zigzag"] < busiest["plain"], busiest
 
 
 @pytest.mark.timeout(420)
