@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ddp_course.check.reference import exercise_reference, functions_of, is_stub
+from ddp_course.check.registry import parse_source
 from ddp_course.check.verdicts import Verdict
 
 
@@ -185,7 +186,7 @@ def harness_differences(source: str, reference: str, editable: tuple[str, ...] =
     import ast
     import difflib
 
-    tree, ref = ast.parse(source), ast.parse(reference)
+    tree, ref = parse_source(source), parse_source(reference)
     answers, editable_ = set(answer_functions(ref)), set(editable)
     mine, theirs = _statements(tree), _statements(ref)
     norm = {id(s): _normalized(s, answers, editable_) for s in (*mine, *theirs)}
@@ -253,7 +254,6 @@ def check_harness(number: str, path: str | Path, editable: tuple[str, ...] = ())
     Not ok, naming what differs, when it does not; ok with an empty message when it does; ok with a
     note for the grader's verdict when there is no shipped copy to compare with.
     """
-    import ast
 
     reference = exercise_reference(number, path)
     if reference is None:
@@ -267,7 +267,7 @@ def check_harness(number: str, path: str | Path, editable: tuple[str, ...] = ())
         return Verdict(True, "")  # the grader's run shows the error
     if not differences:
         return Verdict(True, "")
-    names = [f"{n}()" for n in answer_functions(ast.parse(reference.source))]
+    names = [f"{n}()" for n in answer_functions(parse_source(reference.source))]
     keep = names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1] if names else "the TODO"
     more = f" (and {len(differences) - 3} more)" if len(differences) > 3 else ""
     return Verdict(False, f"the part of {path} outside the TODO differs from the course's exercise, and the grader "

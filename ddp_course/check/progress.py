@@ -25,7 +25,7 @@ from pathlib import Path
 from ddp_course.check import rewrite
 from ddp_course.check.records import binds, cell_digest, sha256_file
 from ddp_course.check.reference import unfinished
-from ddp_course.check.registry import RECORDS, ROOT, exercises
+from ddp_course.check.registry import RECORDS, ROOT, exercises, parse_source
 from ddp_course.check.verdicts import STUB
 
 STATES = ("not started", "not checked", "failing", "passed")
@@ -68,7 +68,7 @@ def _answer_name(learner_cell: str) -> str:
     before the stub."""
     import ast
 
-    tree = ast.parse(learner_cell)
+    tree = parse_source(learner_cell)
     last = ""
     for node in tree.body:
         holds = any(STUB in ast.unparse(n) for n in ast.walk(node) if isinstance(n, ast.Raise))

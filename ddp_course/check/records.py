@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from ddp_course.check.registry import RECORDS
+from ddp_course.check.registry import RECORDS, parse_source
 from ddp_course.check.verdicts import GradedRun, Verdict
 
 # --------------------------------------------------------------------------------------------------
@@ -98,7 +98,7 @@ def cell_digest(text: str) -> str:
     import hashlib
 
     try:
-        text = ast.unparse(ast.parse(text))
+        text = ast.unparse(parse_source(text))
     except SyntaxError:
         pass
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
@@ -109,7 +109,7 @@ def binds(text: str, name: str) -> bool:
     import ast
 
     try:
-        tree = ast.parse(text)
+        tree = parse_source(text)
     except SyntaxError:
         return False
     for node in tree.body:

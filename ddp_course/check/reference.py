@@ -7,7 +7,7 @@ import dataclasses
 from pathlib import Path
 
 from ddp_course.check import rewrite
-from ddp_course.check.registry import ROOT, Exercise, exercises, resolve
+from ddp_course.check.registry import ROOT, Exercise, exercises, parse_source, resolve
 from ddp_course.check.verdicts import STUB
 
 SOLUTIONS = ROOT / "solutions" / "exercises"  # the answered scripts the shipped copies are written from
@@ -22,7 +22,7 @@ def replace_function_body(source: str, name: str, body: str) -> str:
     """
     import ast
 
-    fn = next((n for n in ast.parse(source).body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+    fn = next((n for n in parse_source(source).body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
                and n.name == name), None)
     if fn is None:
         raise ValueError(f"no top-level function {name}() in the source")
@@ -58,7 +58,7 @@ def unfinished(source: str) -> list[str]:
     import ast
 
     try:
-        tree = ast.parse(source)
+        tree = parse_source(source)
     except SyntaxError:
         return []
     functions = (ast.FunctionDef, ast.AsyncFunctionDef)
@@ -146,7 +146,7 @@ def _names(source: str) -> set[str]:
     ``main``, which every exercise script has."""
     import ast
 
-    tree = ast.parse(source)
+    tree = parse_source(source)
     names = {name for name, _ in functions_of(tree.body)} | {n.name for n in tree.body if isinstance(n, ast.ClassDef)}
     return names - {"main"}
 
@@ -188,7 +188,7 @@ def harness_constants(path: str | Path) -> dict:
     import ast
 
     out = {}
-    for node in ast.parse(Path(path).read_text(encoding="utf-8")).body:
+    for node in parse_source(Path(path).read_text(encoding="utf-8")).body:
         if isinstance(node, ast.Assign) and len(node.targets) == 1:
             target = node.targets[0]
             names = [e.id for e in target.elts] if isinstance(target, ast.Tuple) else [getattr(target, "id", "")]

@@ -4,12 +4,30 @@ notebooks."""
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import functools
+import threading
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository beside the package (lessons/, solutions/)
 RECORDS = Path("runs") / "check"  # the verdicts' records (check.records) and failing runs' tracebacks, per folder
+
+
+# CPython 3.11 keeps the AST constructor's recursion depth in interpreter-wide state (ast2obj_mod,
+# python/cpython#106905): when a thread starts ast.parse while another thread is still building its tree
+# (its construction paused by a garbage collection that let the other run), the first one fails with
+# "SystemError: AST constructor recursion depth mismatch". The graders' checks run in threads when several
+# attempts are graded at once (the test suite does), so every parse in check/ goes through this lock.
+# tests/exercises/test_grader_harness.py::test_two_threads_parsing_at_once_do_not_break_each_other fails
+# without it.
+_PARSING = threading.Lock()
+
+
+def parse_source(source: str, filename: str = "<unknown>") -> ast.Module:
+    """``ast.parse``, one thread at a time (see the note above)."""
+    with _PARSING:
+        return ast.parse(source, filename=filename)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,7 +49,7 @@ def _declared_script(path: Path) -> str | None:
     """The ``EXERCISE = "NN_<name>.py"`` a grader module declares, read from its source (not imported)."""
     import ast
 
-    for node in ast.parse(path.read_text(encoding="utf-8")).body:
+    for node in parse_source(path.read_text(encoding="utf-8")).body:
         if (isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == ["EXERCISE"]
                 and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)):
             return node.value.value

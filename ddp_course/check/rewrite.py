@@ -35,12 +35,13 @@ exercise it compares a learner's file with (``ddp_course.check.reference``).
 
 from __future__ import annotations
 
-import ast
 import copy
 import hashlib
 import re
 import warnings
 from pathlib import Path
+
+from ddp_course.check.registry import parse_source
 
 FIX = "python tools/make_lessons.py"
 
@@ -223,7 +224,7 @@ def targets(root: Path, out: Path | None = None, answered: bool = False) -> dict
         label = str(src.relative_to(root))
         text = _rewrite(src.read_text(encoding="utf-8"), label, answered)
         try:
-            ast.parse(text, filename=label)
+            parse_source(text, filename=label)
         except SyntaxError as exc:
             raise MarkerError(f"{label}: the learner copy is not valid Python ({exc.msg}, line {exc.lineno}); "
                               "put the markers around whole statements.") from None

@@ -217,3 +217,55 @@ def test_a_lesson_number_names_its_exercise_and_a_bad_name_says_which_there_are(
     for lesson in {n for n in lessons if lessons.count(n) > 1}:  # several in one lesson: a file named otherwise
         with pytest.raises(ValueError, match=f"lesson {lesson} has .* exercises; name the one"):
             check.resolve(lesson, tmp_path / "mine.py")
+
+
+def test_two_threads_parsing_at_once_do_not_break_each_other():
+    """``check.registry.parse_source`` parses one thread at a time: CPython 3.11 keeps the AST
+    constructor's recursion depth in interpreter-wide state (python/cpython#106905), so a thread that
+    starts a parse while another is building its tree breaks the other's count, which then fails with
+    ``SystemError: AST constructor recursion depth mismatch`` (seen in ``make test``, where hang attempts
+    are graded in threads beside other gradings). Here a garbage-collection callback holds thread A in
+    the middle of building its tree while thread B starts parsing: with a bare ``ast.parse`` A fails
+    (measured on 3.11.7); with the lock B waits for A."""
+    import gc
+    import threading
+
+    from ddp_course.check.registry import parse_source
+
+    source = "\n".join(f"def f{i}(x):\n    return [x + {i} for _ in range(3)]" for i in range(300))
+    a_building, b_started = threading.Event(), threading.Event()
+    parsing: set[str] = set()
+    errors: dict[str, str] = {}
+
+    def hold_a_while_b_starts(phase: str, info: dict) -> None:
+        me = threading.current_thread().name
+        if phase == "start" and me == "A" and me in parsing and not a_building.is_set():
+            a_building.set()
+            b_started.wait(2)  # with the lock B cannot start: A goes on after 2 s
+
+    def parse(name: str) -> None:
+        if name == "B":
+            a_building.wait(5)
+            b_started.set()
+        parsing.add(name)
+        try:
+            parse_source(source)
+        except SystemError as exc:
+            errors[name] = str(exc)
+        finally:
+            parsing.discard(name)
+
+    threshold = gc.get_threshold()
+    gc.set_threshold(1)  # a collection at almost every allocation: one comes while A builds its tree
+    gc.callbacks.append(hold_a_while_b_starts)
+    try:
+        threads = [threading.Thread(target=parse, args=(n,), name=n) for n in ("A", "B")]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+    finally:
+        gc.callbacks.remove(hold_a_while_b_starts)
+        gc.set_threshold(*threshold)
+    assert a_building.is_set(), "no collection came while thread A was parsing: the test did not set up the race"
+    assert errors == {}, errors
