@@ -1,7 +1,10 @@
 # The course's two commands (see README.md):
-#   make lab    set up .venv if needed, then open the course in JupyterLab (prints the URL)
-#   make test   set up .venv if needed, then run the whole test suite (what CI runs)
+#   make lab    set up .venv if needed, make or update your workspace (work/), then open it in JupyterLab
+#   make test   set up .venv if needed, then run the whole test suite (what CI runs; it never reads work/)
 #   make test-torch TORCH_SPEC="torch==2.10.0"   the whole suite on another PyTorch, in .venv-torch/
+#
+# Paths may hold spaces: every path a recipe uses is quoted, and none goes through make's own
+# word-splitting functions ($(abspath), $(wildcard)).
 #
 # Set-up keeps a torch that is already importable by $(PYTHON) and at least the course's floor
 # (the venv then sees the system's site-packages); otherwise it installs $(TORCH_SPEC) into an
@@ -13,6 +16,8 @@ TORCH_SPEC  ?= torch==2.13.0
 # extra pip options for the torch install, e.g. TORCH_PIP_ARGS="--index-url https://download.pytorch.org/whl/cpu"
 TORCH_PIP_ARGS ?=
 PORT        ?= 8888
+# the learner's workspace: their copies of the lessons, made from lessons/ by `make lab` (untracked)
+WORK        ?= $(if $(DDP_COURSE_WORK),$(DDP_COURSE_WORK),work)
 PY          := $(VENV)/bin/python
 STAMP       := $(VENV)/.ddp_course-installed
 LAB_STAMP   := $(VENV)/.ddp_course-lab-installed
@@ -33,47 +38,68 @@ HAS_TORCH   := -c "import importlib.util, sys; sys.exit(importlib.util.find_spec
 # Offline machines: a folder ../shared/data holding tinyshakespeare.txt, beside the checkout, is
 # used when DDP_COURSE_DATA is not set (that is how CI runs without a network).
 ifeq ($(origin DDP_COURSE_DATA),undefined)
-  ifneq ($(wildcard $(CURDIR)/../shared/data/tinyshakespeare.txt),)
-    export DDP_COURSE_DATA := $(abspath $(CURDIR)/../shared/data)
+  SHARED_DATA := $(shell cd "$(CURDIR)/../shared/data" 2>/dev/null && test -f tinyshakespeare.txt && pwd)
+  ifneq ($(SHARED_DATA),)
+    export DDP_COURSE_DATA := $(SHARED_DATA)
   endif
 endif
+# a TORCH_SPEC or TORCH_PIP_ARGS given on the command line or in the environment is honoured on an
+# existing venv too: set-up notes what it installed ($(TORCH_RECORD)) and installs again when asked for another
+TORCH_ASKED := $(filter-out default file,$(origin TORCH_SPEC) $(origin TORCH_PIP_ARGS))
+TORCH_RECORD := $(VENV)/.ddp_course-torch
+# a folder given relative to the checkout, made absolute by the shell (make's $(abspath) splits at spaces)
+ABS         = case "$(1)" in /*) printf '%s' "$(1)";; *) printf '%s' "$$PWD/$(1)";; esac
 
-.PHONY: lab test test-torch setup clean lessons check-lessons bench-overhead site site-check
+.PHONY: lab test test-torch setup workspace clean lessons check-lessons bench-overhead site site-check
 
 setup: $(STAMP)
+ifneq ($(TORCH_ASKED),)
+	@"$(PY)" tools/setup_python.py asked --record "$(TORCH_RECORD)" --spec '$(TORCH_SPEC)' --pip-args '$(TORCH_PIP_ARGS)' \
+	  || { "$(PY)" -m pip install --quiet $(TORCH_PIP_ARGS) "$(TORCH_SPEC)" \
+	       && "$(PY)" tools/setup_python.py asked --record "$(TORCH_RECORD)" --spec '$(TORCH_SPEC)' --pip-args '$(TORCH_PIP_ARGS)' --write; }
+endif
 
 $(STAMP): pyproject.toml
 	@set -e; \
 	if [ ! -x "$(PY)" ]; then \
-	  $(PYTHON) tools/setup_python.py venv; \
-	  if [ "$(SYSTEM_TORCH)" != 0 ] && $(PYTHON) tools/setup_python.py torch --floor "$(TORCH_FLOOR)" --spec "$(TORCH_SPEC)"; then \
-	    $(PYTHON) -m venv --system-site-packages $(VENV); \
+	  "$(PYTHON)" tools/setup_python.py venv; \
+	  if [ "$(SYSTEM_TORCH)" != 0 ] && "$(PYTHON)" tools/setup_python.py torch --floor "$(TORCH_FLOOR)" --spec "$(TORCH_SPEC)"; then \
+	    "$(PYTHON)" -m venv --system-site-packages "$(VENV)"; \
+	    echo system > "$(TORCH_RECORD)"; \
 	  else \
-	    $(PYTHON) -m venv $(VENV); \
+	    "$(PYTHON)" -m venv "$(VENV)"; \
 	  fi; \
 	fi; \
-	if ! $(PY) $(HAS_TORCH) >/dev/null 2>&1; then \
+	if ! "$(PY)" $(HAS_TORCH) >/dev/null 2>&1; then \
 	  echo "[setup] installing $(TORCH_SPEC)"; \
-	  $(PY) -m pip install --quiet $(TORCH_PIP_ARGS) "$(TORCH_SPEC)"; \
+	  "$(PY)" -m pip install --quiet $(TORCH_PIP_ARGS) "$(TORCH_SPEC)"; \
+	  "$(PY)" tools/setup_python.py asked --record "$(TORCH_RECORD)" --spec '$(TORCH_SPEC)' --pip-args '$(TORCH_PIP_ARGS)' --write; \
 	fi; \
 	echo "[setup] installing ddp_course and its tools into $(VENV)"; \
-	$(PY) -m pip install --quiet -e ".[dev,site]"; \
-	$(PY) -m ddp_course doctor; \
-	touch $(STAMP)
+	"$(PY)" -m pip install --quiet -e ".[dev,site]"; \
+	"$(PY)" -m ddp_course doctor; \
+	touch "$(STAMP)"
 
 # JupyterLab itself only for `make lab` (pyproject's `lab` extra): `make test` runs without it.
 $(LAB_STAMP): $(STAMP)
 	@echo "[setup] installing JupyterLab into $(VENV)"
-	@$(PY) -m pip install --quiet -e ".[dev,lab]"
-	@touch $(LAB_STAMP)
+	@"$(PY)" -m pip install --quiet -e ".[dev,lab]"
+	@touch "$(LAB_STAMP)"
 
-# The server runs with the venv first on its PATH (as `source .venv/bin/activate` would put it), so
-# that a terminal opened in JupyterLab, which inherits the server's environment, finds the course's
-# python and torchrun.
-lab: setup $(LAB_STAMP)
-	@echo "[lab] starting JupyterLab; open the URL below (lessons/00_setup.ipynb is the first lesson)"
-	PATH="$(abspath $(VENV))/bin:$$PATH" VIRTUAL_ENV="$(abspath $(VENV))" \
-	$(PY) -m jupyter lab --ip=127.0.0.1 --port=$(PORT) --no-browser $(ROOT_FLAG) --ServerApp.root_dir=$(CURDIR)
+# The learner's workspace, $(WORK): made from lessons/ the first time, then brought up to date (new
+# lessons and exercises copied in; nothing the learner changed is written over: ddp_course/check/update.py)
+workspace: setup
+	@DDP_COURSE_WORK="$$($(call ABS,$(WORK)))" "$(PY)" -m ddp_course update
+
+# JupyterLab opens in the workspace. The server runs with the venv first on its PATH (as `source
+# .venv/bin/activate` would put it), so that a terminal opened in JupyterLab, which inherits the
+# server's environment, finds the course's python and torchrun, and with DDP_COURSE_WORK naming the
+# workspace, so that `python -m ddp_course check` and `progress` find it from any folder.
+lab: workspace $(LAB_STAMP)
+	@echo "[lab] starting JupyterLab in your workspace, $(WORK)/; open the URL below (00_setup.ipynb is the first lesson)"
+	@venv="$$($(call ABS,$(VENV)))"; work="$$($(call ABS,$(WORK)))"; \
+	PATH="$$venv/bin:$$PATH" VIRTUAL_ENV="$$venv" DDP_COURSE_WORK="$$work" \
+	"$(PY)" -m jupyter lab --ip=127.0.0.1 --port=$(PORT) --no-browser $(ROOT_FLAG) --ServerApp.root_dir="$$work"
 
 # The notebooks run as a learner's completed copies (answers in place of the TODOs, no markers,
 # the solutions' outputs kept for the cells nbval compares): build/learner, rebuilt each time. They
@@ -84,10 +110,10 @@ lab: setup $(LAB_STAMP)
 # first: every process of every job imports them, and where PYTHONDONTWRITEBYTECODE is set (CI
 # machines) each process would compile them again.
 test: setup
-	-@$(PY) -m compileall -q ddp_course tests tools >/dev/null
-	$(PY) tools/make_lessons.py --answered build/learner
-	DDP_COURSE_NOTEBOOK_RUNS=$(CURDIR)/build/learner \
-	$(PY) -m pytest build/learner tests --nbval-lax --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg \
+	-@"$(PY)" -m compileall -q ddp_course tests tools >/dev/null
+	"$(PY)" tools/make_lessons.py --answered build/learner
+	DDP_COURSE_NOTEBOOK_RUNS="$(CURDIR)/build/learner" \
+	"$(PY)" -m pytest build/learner tests --nbval-lax --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg \
 	  --nbval-cell-timeout=600 -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 # The whole suite on another PyTorch, e.g. `make test-torch TORCH_SPEC="torch==2.8.0"`: a venv of its
@@ -96,24 +122,27 @@ test: setup
 test-torch:
 	$(MAKE) test VENV=$(TORCH_VENV) SYSTEM_TORCH=0 TORCH_SPEC="$(TORCH_SPEC)"
 
+# maintainers: lessons/ written from solutions/ (a learner's work is in the workspace, never here)
 lessons: setup
-	$(PY) tools/make_lessons.py
+	"$(PY)" tools/make_lessons.py
 
 check-lessons: setup
-	$(PY) tools/make_lessons.py --check
+	"$(PY)" tools/make_lessons.py --check
 
 # The course as a static site, from solutions/ with their saved outputs (nothing is executed):
 # build/site/index.html. `make site-check` then opens every page in headless Chromium (the system's:
 # Debian's package `chromium`, or CHROMIUM=/path/to/chrome) and checks what a reader sees.
 site: setup
-	$(PY) tools/make_site.py build/site
+	"$(PY)" tools/make_site.py build/site
 
 site-check: site
-	@$(PY) -m pip install --quiet -e ".[dev,site,site-check]"
-	$(PY) tools/check_site.py build/site
+	@"$(PY)" -m pip install --quiet -e ".[dev,site,site-check]"
+	"$(PY)" tools/check_site.py build/site
 
 bench-overhead: setup
-	$(PY) -m ddp_course.bench overhead
+	"$(PY)" -m ddp_course.bench overhead
 
+# Build outputs only: the workspace (your notebooks, exercises and grading records) is never touched here
 clean:
 	rm -rf runs solutions/runs lessons/runs bench_results .pytest_cache build/learner build/site build/site-src build/site-check
+	@echo "[clean] removed build outputs; your workspace, $(WORK)/, is untouched (python -m ddp_course reset --help: starting over)"

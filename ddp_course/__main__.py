@@ -3,9 +3,11 @@
     python -m ddp_course doctor                     what this machine has and what the course will use
     python -m ddp_course run --nproc=2 --strategy=ddp --max_steps=100    a training job via torchrun
     python -m ddp_course bench NAME [--key=value]   a benchmark (python -m ddp_course bench --help)
-    python -m ddp_course check NN PATH              grade an exercise script
+    python -m ddp_course check NN [PATH]            grade an exercise script (default: your workspace's copy)
     python -m ddp_course check                      list every exercise and the command that grades it
     python -m ddp_course progress                   where you stand: every exercise's state, and what is next
+    python -m ddp_course update                     bring the course's new lessons into your workspace, keeping your work
+    python -m ddp_course reset NAME                 the course's copy of one notebook or exercise back (yours kept)
     python -m ddp_course multinode --nnodes=2 --nproc=8 [-- TRAIN ARGS]   torchrun lines and a Slurm script
 """
 
@@ -116,7 +118,12 @@ def main(argv: list[str] | None = None) -> int:
         from ddp_course.check.progress import main as progress
 
         return progress(rest)
-    print(f"error: unknown command {cmd!r}; the commands are doctor, run, bench, check, progress and multinode "
+    if cmd in ("update", "reset"):
+        from ddp_course.check.update import main as update
+
+        return update(cmd, rest)
+    print(f"error: unknown command {cmd!r}; the commands are doctor, run, bench, check, progress, update, reset and "
+          "multinode "
           "(python -m ddp_course --help describes each).", file=sys.stderr)
     return 2
 

@@ -11,6 +11,8 @@ import time
 import pytest
 from harness import SHARED_DATA, TINY
 
+from ddp_course.check.workspace import VAR as WORKSPACE_VAR
+
 _CACHE = pytest.StashKey[str]()  # the session's XDG_CACHE_HOME (see pytest_configure)
 
 
@@ -20,6 +22,10 @@ def pytest_configure(config: pytest.Config) -> None:
 
     A real user's DDP_COURSE_DATA, if set, wins. This runs before any test module is imported, and
     before any notebook's kernel starts: kernels inherit this environment.
+
+    The learner's workspace (``work/`` of the checkout, or the one ``$DDP_COURSE_WORK`` names) is never
+    read or written: the session's is an empty folder of its own (``check.workspace.home`` takes it for
+    code run from outside a folder of lesson notebooks, where grading records go).
 
     The cache (``XDG_CACHE_HOME``) starts empty, so what the course caches there (exercise 04's
     one-process reference) is computed once in the session, by this code, never read from an earlier
@@ -35,6 +41,7 @@ def pytest_configure(config: pytest.Config) -> None:
                 break
     config.stash[_CACHE] = tempfile.mkdtemp(prefix="ddp_course_cache_")
     os.environ["XDG_CACHE_HOME"] = config.stash[_CACHE]
+    os.environ[WORKSPACE_VAR] = os.path.join(config.stash[_CACHE], "work")
     _share_the_cores()
 
 

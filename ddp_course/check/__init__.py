@@ -123,7 +123,7 @@ def grade(number: str, path: str | Path, **kwargs) -> Verdict:
         return Verdict(False, f"{path_.name} looks like the file of exercise {other.name} ({other.script}), not of "
                               f"{exercise.name} ({exercise.script}): it defines that exercise's functions. Grade it with "
                               f"`python -m ddp_course check {shortest_key(other)} {path}`, or grade your copy of "
-                              f"lessons/exercises/{exercise.script} here.")
+                              f"exercises/{exercise.script} (your workspace's) with `{exercise.command}`.")
     left = unfinished(path_.read_text(encoding="utf-8")) if path_.is_file() else []
     if left:
         what = left[0] if len(left) == 1 else ", ".join(left[:-1]) + " and " + left[-1]
@@ -136,11 +136,32 @@ def grade(number: str, path: str | Path, **kwargs) -> Verdict:
     return graded_and_recorded(exercise.name, path, grader, kwargs, harness.message)
 
 
-USAGE = "usage: python -m ddp_course check NN PATH   (python -m ddp_course check, alone, lists the exercises)"
+USAGE = ("usage: python -m ddp_course check NN [PATH]   (PATH: default, your workspace's copy; "
+         "python -m ddp_course check, alone, lists the exercises)")
+
+
+def _script(exercise: Exercise, given: str | None) -> Path:
+    """The file to grade: ``given``, else the workspace's copy. Raises ValueError saying where the
+    learner's copy is when ``given`` is not a file."""
+    from ddp_course.check.workspace import VAR, home, shown
+
+    mine = home() / "exercises" / exercise.script
+    if given is not None and Path(given).is_file():
+        return Path(given)
+    if given is None and mine.is_file():
+        return mine
+    if mine.is_file():
+        raise ValueError(f"{given} is not a file here ({shown(Path.cwd())}/). Your copy is {shown(mine)}: "
+                         f"`{exercise.command}` grades it from any folder.")
+    if home().is_dir():
+        raise ValueError(f"{given or shown(mine)} is not a file. `python -m ddp_course reset {exercise.script}` "
+                         f"brings the course's copy back into your workspace, {shown(home())}/.")
+    raise ValueError(f"no workspace yet ({shown(home())}/), so no copy of {exercise.script} to grade: `make lab` or "
+                     f"`python -m ddp_course update` makes it (${VAR} names another folder), or give a PATH.")
 
 
 def main(argv: list[str]) -> int:
-    """``python -m ddp_course check [NN PATH]``: the listing, or one verdict (exit 0 passed, 1 failed);
+    """``python -m ddp_course check [NN [PATH]]``: the listing, or one verdict (exit 0 passed, 1 failed);
     ``--help`` prints the usage (exit 0); anything else is bad input (``error:`` on stderr, exit 2)."""
     if not argv:
         print(listing())
@@ -148,18 +169,13 @@ def main(argv: list[str]) -> int:
     if any(a in ("-h", "--help") for a in argv):
         print(USAGE)
         return 0
-    if len(argv) != 2 or any(a.startswith("--") for a in argv):
-        print(f"error: expected an exercise and a path, got {' '.join(argv)!r}. {USAGE}", file=sys.stderr)
+    if len(argv) > 2 or any(a.startswith("--") for a in argv):
+        print(f"error: expected an exercise and, optionally, a path; got {' '.join(argv)!r}. {USAGE}", file=sys.stderr)
         return 2
     try:
-        resolve(argv[0], argv[1])
+        path = _script(resolve(argv[0], argv[1] if len(argv) == 2 else None), argv[1] if len(argv) == 2 else None)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 2
-    path = Path(argv[1])
-    if not path.is_file():
-        print(f"error: {path} is not a file. Give the path of your exercise script, e.g. "
-              f"{resolve(argv[0], argv[1]).command.split()[-1]}", file=sys.stderr)
         return 2
     verdict = grade(argv[0], path)
     print(verdict)

@@ -10,7 +10,8 @@ inside the notebooks -- in one of four states:
 
 with "changed since last graded" when the file (a script's bytes, a notebook exercise cell's code)
 is not the one the last verdict was given on. It reads the learner's files and the grading records
-(``runs/check/``, see ``ddp_course.check.records``) and nothing else: no job starts, no torch is
+(``runs/check/`` of the workspace, see ``ddp_course.check.records`` and ``ddp_course.check.workspace``)
+and nothing else: no job starts, no torch is
 imported. A notebook's exercise cell is read from the saved notebook: save it to see a change.
 """
 
@@ -25,8 +26,9 @@ from pathlib import Path
 from ddp_course.check import rewrite
 from ddp_course.check.records import binds, cell_digest, sha256_file
 from ddp_course.check.reference import unfinished
-from ddp_course.check.registry import RECORDS, ROOT, exercises, parse_source
+from ddp_course.check.registry import RECORDS, ROOT, exercises, parse_source, shortest_key
 from ddp_course.check.verdicts import STUB
+from ddp_course.check.workspace import VAR, home, shown
 
 STATES = ("not started", "not checked", "failing", "passed")
 
@@ -116,23 +118,13 @@ def _cell_binding(notebook: Path, name: str) -> str | None:
     return None
 
 
-def _shown(path: Path) -> str:
-    """``path`` as a record names it (relative to the repository, as ``ddp_course.paths.show`` prints)."""
-    from ddp_course.paths import show
-
-    return show(path.resolve())
-
-
 def _entries(name: str, folder: Path, file: str) -> list[dict]:
-    """Every verdict noted on exercise ``name`` for ``file``, in the notebooks' folder and at the
-    repository's top (where ``python -m ddp_course check`` writes), newest first."""
-    found = []
-    for base in dict.fromkeys((folder.resolve(), ROOT)):
-        try:
-            data = json.loads((base / RECORDS / f"{name}.json").read_text(encoding="utf-8"))
-            found += [e for e in data["verdicts"] if e.get("file") == file]
-        except (OSError, ValueError, KeyError, TypeError):
-            continue
+    """Every verdict noted on exercise ``name`` for ``file`` (its path in the workspace ``folder``), newest first."""
+    try:
+        data = json.loads((folder / RECORDS / f"{name}.json").read_text(encoding="utf-8"))
+        found = [e for e in data["verdicts"] if e.get("file") == file]
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
     return sorted(found, key=lambda e: e.get("started", 0), reverse=True)
 
 
@@ -151,14 +143,14 @@ def _judged(item: Item, entries: list[dict], digest: str | None, key: str, start
 def _script_items(folder: Path) -> list[Item]:
     items = []
     for ex in exercises().values():
-        path = folder / "exercises" / ex.script
-        item = Item(ex.lesson, ex.name, f"exercises/{ex.script}", "not started",
-                    todo=f"python -m ddp_course check {ex.lesson} {_shown(path)}")
+        path, rel = folder / "exercises" / ex.script, f"exercises/{ex.script}"
+        item = Item(ex.lesson, ex.name, rel, "not started", todo=f"python -m ddp_course check {shortest_key(ex)}")
         if not path.is_file():
-            items.append(dataclasses.replace(item, why=f"{_shown(path)} is missing"))
+            items.append(dataclasses.replace(item, why=f"{rel} is missing",
+                                             todo=f"python -m ddp_course reset {rel} (the course's copy)"))
             continue
         source = path.read_text(encoding="utf-8")
-        items.append(_judged(item, _entries(ex.name, folder, _shown(path)), sha256_file(path), "sha256",
+        items.append(_judged(item, _entries(ex.name, folder, rel), sha256_file(path), "sha256",
                              started=not unfinished(source)))
     return items
 
@@ -167,11 +159,11 @@ def _notebook_items(folder: Path) -> list[Item]:
     items = []
     for ex in notebook_exercises(folder):
         item = Item(ex.lesson, f"{ex.lesson}_{ex.answer}", ex.heading, "not started",
-                    todo=f"open {_shown(folder / ex.notebook)} at \u201c{ex.heading}\u201d and run its check cell")
+                    todo=f"open {ex.notebook} at \u201c{ex.heading}\u201d and run its check cell")
         if ex.cell is None:
-            items.append(dataclasses.replace(item, why=f"{_shown(folder / ex.notebook)} has no cell defining {ex.answer}"))
+            items.append(dataclasses.replace(item, why=f"{ex.notebook} has no cell defining {ex.answer}"))
             continue
-        items.append(_judged(item, _entries(item.name, folder, _shown(folder / ex.notebook)), cell_digest(ex.cell),
+        items.append(_judged(item, _entries(item.name, folder, ex.notebook), cell_digest(ex.cell),
                              "cell_sha256", started=STUB not in ex.cell))
     return items
 
@@ -196,7 +188,7 @@ class Progress:
     def __str__(self) -> str:
         width = max((len(i.what) for i in self.items), default=10)
         done = sum(i.done for i in self.items)
-        lines = [f"Exercises in {_shown(self.folder)}/: {done} of {len(self.items)} passed", "",
+        lines = [f"Exercises in {shown(self.folder)}/: {done} of {len(self.items)} passed", "",
                  f"{'lesson':<7} {'exercise':<{width}}  state"]
         lines += [f"{i.lesson:<7} {i.what:<{width}}  {i.status()}" for i in self.items]
         return "\n".join([*lines, "", self.next_line()])
@@ -207,23 +199,15 @@ class Progress:
         rows = "".join(f"<tr><td>{i.lesson}</td><td>{html.escape(i.what)}</td><td>{html.escape(i.status())}</td></tr>"
                        for i in self.items)
         done = sum(i.done for i in self.items)
-        return (f"<p>Exercises in <code>{html.escape(_shown(self.folder))}/</code>: {done} of {len(self.items)} "
+        return (f"<p>Exercises in <code>{html.escape(shown(self.folder))}/</code>: {done} of {len(self.items)} "
                 f"passed</p><table><thead><tr><th>lesson</th><th>exercise</th><th>state</th></tr></thead>"
                 f"<tbody>{rows}</tbody></table><p>{html.escape(self.next_line())}</p>")
 
 
-def lessons_folder(folder: str | Path | None = None) -> Path:
-    """The folder of lesson notebooks to report on: ``folder``, else the working directory when it
-    holds lesson notebooks (a notebook's kernel), else the repository's ``lessons/``."""
-    if folder is not None:
-        return Path(folder)
-    here = Path.cwd()
-    return here if any(here.glob("[0-9][0-9]_*.ipynb")) else ROOT / "lessons"
-
-
 def progress(folder: str | Path | None = None) -> Progress:
-    """Where the learner stands in ``folder`` (see :func:`lessons_folder`); reads files only."""
-    folder = lessons_folder(folder)
+    """Where the learner stands in ``folder`` (default: their workspace, ``check.workspace.home()``);
+    reads files only."""
+    folder = home() if folder is None else Path(folder)
     items = _script_items(folder) + _notebook_items(folder)
     return Progress(folder, sorted(items, key=lambda i: i.lesson))  # a stable sort: scripts first in a lesson
 
@@ -232,17 +216,21 @@ def main(argv: list[str]) -> int:
     """``python -m ddp_course progress [FOLDER]``: the table and the next step; exit 0."""
     import sys
 
-    usage = "usage: python -m ddp_course progress [FOLDER]   (default: lessons/ of this checkout)"
+    usage = "usage: python -m ddp_course progress [FOLDER]   (default: your workspace, work/ of this checkout)"
     if any(a in ("-h", "--help") for a in argv):
         print(usage)
         return 0
     if len(argv) > 1 or (argv and argv[0].startswith("--")):
         print(f"error: unexpected argument(s) {' '.join(argv)!r}. {usage}", file=sys.stderr)
         return 2
-    folder = lessons_folder(argv[0] if argv else None)
-    if not folder.is_dir():
-        print(f"error: {folder} is not a folder of lesson notebooks; give the folder that holds NN_*.ipynb "
-              "and exercises/ (lessons/ of the course).", file=sys.stderr)
+    folder = Path(argv[0]) if argv else home()
+    if not argv and not folder.is_dir():
+        print(f"error: no workspace yet ({shown(folder)}/): `make lab` or `python -m ddp_course update` makes it, "
+              f"with your copy of every lesson (${VAR} names another folder).", file=sys.stderr)
+        return 2
+    if not folder.is_dir() or not any(folder.glob("[0-9][0-9]_*.ipynb")):
+        print(f"error: {folder} is not a folder of lesson notebooks; give your workspace (the folder that holds "
+              "NN_*.ipynb and exercises/), or run it with no folder.", file=sys.stderr)
         return 2
     print(progress(folder))
     return 0
@@ -259,7 +247,8 @@ def listing() -> str:
     from ddp_course.course import lesson_folders
 
     topics = {nn: pkg.rsplit(".", 1)[1][4:] for nn, pkg in lesson_folders().items()}
-    lines = ["Exercise scripts (write the TODOs in lessons/exercises/, then run the command):", ""]
+    lines = ["Exercise scripts (write the TODOs in exercises/ of your workspace, then run the command, from any "
+             "folder):", ""]
     for ex in exercises().values():
         lines.append(f"  {ex.lesson} {topics[ex.lesson]:<22} {ex.name:<22} {ex.command}")
     inline = inline_exercises()

@@ -7,14 +7,15 @@ from pathlib import Path
 
 from ddp_course.check.registry import RECORDS, parse_source
 from ddp_course.check.verdicts import GradedRun, Verdict
+from ddp_course.check.workspace import home, shown
 
 # --------------------------------------------------------------------------------------------------
 # the record of the verdicts: runs/check/<exercise>.json
 #
 # Every verdict a lesson's grader gives through ``grade`` is noted in ``runs/check/<exercise>.json``
-# (e.g. ``runs/check/01_global_val_loss.json``) under the working directory (a notebook's own folder
-# when a notebook cell grades): which file was graded (its path as shown and the sha256 of its
-# bytes), by which grader (its module and the sha256 of its source), with which options, when, how
+# (e.g. ``runs/check/01_global_val_loss.json``) of the learner's workspace (``check.workspace.home``:
+# the same folder whatever the current directory): which file was graded (its path in the workspace,
+# or as shown when outside it, and the sha256 of its bytes), by which grader (its module and the sha256 of its source), with which options, when, how
 # long it took, and the verdict. The last ``RECORD_KEEP`` files graded are kept, newest first (the
 # same file graded again replaces its entry). With the same course code and torch, grading the same
 # bytes again with the same grader and options gives the same verdict (on the CPU the graders' runs
@@ -25,9 +26,10 @@ from ddp_course.check.verdicts import GradedRun, Verdict
 RECORD_KEEP = 8
 
 
-def record_path(name: str, base: str | Path = ".") -> Path:
-    """Where the verdicts on exercise ``name`` (e.g. "01_global_val_loss") are noted, under folder ``base``."""
-    return Path(base) / RECORDS / f"{name}.json"
+def record_path(name: str, base: str | Path | None = None) -> Path:
+    """Where the verdicts on exercise ``name`` (e.g. "01_global_val_loss") are noted, under folder ``base``
+    (default: the learner's workspace, ``check.workspace.home()``)."""
+    return (home() if base is None else Path(base)) / RECORDS / f"{name}.json"
 
 
 def sha256_file(path: str | Path) -> str:
@@ -45,8 +47,9 @@ def grader_options(grader, path: str | Path, kwargs: dict) -> dict:
     return {k: v for i, (k, v) in enumerate(bound.arguments.items()) if i > 0}
 
 
-def recorded(name: str, base: str | Path = ".") -> list[dict]:
-    """The verdicts noted for exercise ``name`` under folder ``base``, newest first ([] if none)."""
+def recorded(name: str, base: str | Path | None = None) -> list[dict]:
+    """The verdicts noted for exercise ``name`` under folder ``base`` (default: the workspace), newest first
+    ([] if none)."""
     import json
 
     try:
@@ -61,22 +64,21 @@ def graded_and_recorded(name: str, path: str | Path, grader, kwargs: dict, note:
     import time
 
     from ddp_course.metrics import write_json
-    from ddp_course.paths import show
 
     started = time.time()
     verdict = grader.grade(path, **kwargs)
     if note:
         verdict = dataclasses.replace(verdict, message=f"{verdict.message} {note}")  # a subclass keeps its records
     try:
-        digest = sha256_file(path)
-        entry = {"file": show(Path(path).resolve()), "sha256": digest, "grader": grader.__name__,
+        digest, base = sha256_file(path), home()
+        entry = {"file": shown(Path(path), base), "sha256": digest, "grader": grader.__name__,
                  "grader_sha256": sha256_file(grader.__file__), "options": grader_options(grader, path, kwargs),
                  "started": started, "elapsed_s": round(time.time() - started, 3), "ok": verdict.ok,
                  "message": verdict.message}
         if isinstance(verdict, GradedRun):
             entry["records"] = verdict.records  # what the job measured, for whoever reads this verdict again
-        older = [e for e in recorded(name) if e.get("sha256") != digest]
-        write_json(record_path(name), {"exercise": name, "verdicts": [entry, *older][:RECORD_KEEP]})
+        older = [e for e in recorded(name, base) if e.get("sha256") != digest]
+        write_json(record_path(name, base), {"exercise": name, "verdicts": [entry, *older][:RECORD_KEEP]})
     except (OSError, TypeError, ValueError):
         pass  # no record (a read-only folder, an option that is not JSON): the verdict stands
     return verdict
@@ -87,7 +89,7 @@ def graded_and_recorded(name: str, path: str | Path, grader, kwargs: dict, note:
 #
 # The exercise cell defines the answer (a function, or a variable such as ``answer_a``); the cell
 # below passes it to a check function of the lesson, decorated with ``notebook_exercise``. The
-# verdict is noted in ``runs/check/<NN>_<answer>.json`` of the notebook's folder, with the digest of
+# verdict is noted in ``runs/check/<NN>_<answer>.json`` of the workspace, with the digest of
 # the exercise cell as the kernel ran it (``cell_digest``; the latest cell of the kernel's history
 # that binds the answer's name), so that ``python -m ddp_course progress`` can tell a cell edited
 # since from the one graded.
@@ -133,21 +135,21 @@ def _kernel_cell(name: str) -> str | None:
     return next((cell for cell in reversed(history) if binds(cell, name)), None)
 
 
-def note_notebook_verdict(lesson: str, answer: str, verdict: Verdict, base: str | Path = ".",
+def note_notebook_verdict(lesson: str, answer: str, verdict: Verdict, base: str | Path | None = None,
                           cell: str | None = None) -> None:
     """Note the verdict on lesson ``lesson``'s in-notebook exercise (the one that defines ``answer``),
-    given on ``cell`` (default: the latest cell of this kernel that binds ``answer``)."""
+    given on ``cell`` (default: the latest cell of this kernel that binds ``answer``), in the workspace
+    ``base`` (default: the learner's, ``check.workspace.home()``)."""
     import time
 
     from ddp_course.metrics import write_json
-    from ddp_course.paths import show
 
-    name = f"{lesson}_{answer}"
-    notebook = next(iter(sorted(Path(base).glob(f"{lesson}_*.ipynb"))), None)
+    name, base = f"{lesson}_{answer}", home() if base is None else Path(base)
+    notebook = next(iter(sorted(Path.cwd().glob(f"{lesson}_*.ipynb"))), None)
     if notebook is None:  # not run from a folder of lesson notebooks (a test, a script): nothing to note
         return
     cell = _kernel_cell(answer) if cell is None else cell
-    entry = {"file": show(notebook.resolve()), "answer": answer, "cell_sha256": cell_digest(cell) if cell is not None else None,
+    entry = {"file": shown(notebook, base), "answer": answer, "cell_sha256": cell_digest(cell) if cell is not None else None,
              "started": time.time(), "ok": verdict.ok, "message": verdict.message}
     try:
         older = [e for e in recorded(name, base) if e.get("file") != entry["file"]]

@@ -41,8 +41,8 @@ class Exercise:
 
     @property
     def command(self) -> str:
-        """The command that grades the learner's copy, as the lesson notebook and README give it."""
-        return f"python -m ddp_course check {self.lesson} lessons/exercises/{self.script}"
+        """The command that grades the learner's copy in their workspace, from any folder."""
+        return f"python -m ddp_course check {shortest_key(self)}"
 
 
 def _declared_script(path: Path) -> str | None:

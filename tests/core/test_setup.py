@@ -81,19 +81,75 @@ def test_the_floor_make_checks_is_pyprojects():
     assert "tools/setup_python.py venv" in r.stdout
 
 
-def test_jupyterlab_runs_with_the_venv_on_its_path():
-    """A terminal opened in JupyterLab inherits the server's environment: the venv's bin comes first."""
-    # VENV named here: under `make test-torch` the suite's own make passes another VENV down (MAKEFLAGS)
-    r = run_command(["make", "--no-print-directory", "-n", "lab", "VENV=.venv"], timeout=30)
-    line = next(line for line in r.stdout.splitlines() if line.startswith("PATH="))
-    assert line.startswith(f'PATH="{ROOT / ".venv"}/bin:$PATH"') and "VIRTUAL_ENV=" in line
+def course_with_a_venv(tmp_path: Path, fake_pip: bool = True) -> tuple[Path, Path]:
+    """A checkout in a folder whose name has a space, with the Makefile, its set-up tool and a venv already
+    set up, whose python reports what it is asked to run (pip and JupyterLab are only named, never run)."""
+    course = tmp_path / "my course"
+    (course / "tools").mkdir(parents=True)
+    for name in ("Makefile", "pyproject.toml", "tools/setup_python.py"):
+        shutil.copy(ROOT / name, course / name)
+    venv = course / ".venv"
+    (venv / "bin").mkdir(parents=True)
+    python = venv / "bin" / "python"
+    python.write_text('#!/bin/sh\nif [ "$1" = "-m" ] && [ "$2" != "ddp_course" -o "$3" = "update" ]; then\n'
+                      '  echo "ran: $*"; echo "PATH=$PATH"; echo "VIRTUAL_ENV=$VIRTUAL_ENV"; echo "WORK=$DDP_COURSE_WORK"\n'
+                      f'  exit 0\nfi\nexec "{sys.executable}" "$@"\n')
+    python.chmod(0o755)
+    for stamp in (".ddp_course-installed", ".ddp_course-lab-installed"):
+        (venv / stamp).touch()
+    return course, venv
 
 
-def test_the_conda_route_installs_what_make_installs():
+def test_jupyterlab_opens_the_workspace_with_the_venv_on_its_path_from_a_folder_with_a_space(tmp_path):
+    """A terminal opened in JupyterLab inherits the server's environment: the venv's bin comes first, and
+    DDP_COURSE_WORK names the workspace, which `make lab` makes or updates first and JupyterLab opens."""
+    course, venv = course_with_a_venv(tmp_path)
+    r = run_command(["make", "--no-print-directory", "-C", str(course), "lab"], timeout=60, env={"DDP_COURSE_WORK": ""})
+    runs = r.stdout.split("ran: ")[1:]
+    assert [run.splitlines()[0].split()[:3] for run in runs] == [["-m", "ddp_course", "update"], ["-m", "jupyter", "lab"]]
+    update, lab = runs
+    assert f"WORK={course}/work\n" in update
+    assert f"--ServerApp.root_dir={course}/work" in lab.splitlines()[0]
+    assert f"PATH={venv}/bin:" in lab and f"VIRTUAL_ENV={venv}\n" in lab and f"WORK={course}/work\n" in lab
+    elsewhere = run_command(["make", "--no-print-directory", "-C", str(course), "lab", f"WORK={tmp_path}/my work"],
+                            timeout=60)
+    assert f"--ServerApp.root_dir={tmp_path}/my work" in elsewhere.stdout
+
+
+def test_a_python_older_than_310_is_refused_in_one_line_naming_another(tmp_path):
+    python = python_wrapper(tmp_path, "import sys\nsys.version_info = (3, 8, 10, 'final', 0)  # as macOS's python3\n")
+    venv = tmp_path / "venv"
+    r = run_command(["make", "--no-print-directory", "setup", f"PYTHON={python}", f"VENV={venv}"], timeout=60,
+                    check=False)
+    assert r.returncode != 0 and not venv.exists()
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "Python 3.8.10" in errors[0] and "PYTHON=python3.11" in errors[0], r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_a_torch_spec_asked_for_on_an_existing_venv_is_installed(tmp_path):
+    course, venv = course_with_a_venv(tmp_path)
+    (venv / ".ddp_course-torch").write_text("torch==2.13.0\n")
+    make = ["make", "--no-print-directory", "-C", str(course), "setup"]
+    assert "ran:" not in run_command(make, timeout=60).stdout  # nothing asked: nothing installed
+    assert "ran:" not in run_command([*make, "TORCH_SPEC=torch==2.13.0"], timeout=60).stdout  # what it has
+    r = run_command([*make, "TORCH_SPEC=torch==2.11.0", "TORCH_PIP_ARGS=--index-url https://download.pytorch.org/whl/cpu"],
+                    timeout=60)
+    assert "was set up with torch==2.13.0; installing torch==2.11.0 --index-url" in r.stdout, r.stdout
+    assert "ran: -m pip install --quiet --index-url https://download.pytorch.org/whl/cpu torch==2.11.0" in r.stdout
+    assert (venv / ".ddp_course-torch").read_text().split() == ["torch==2.11.0", "--index-url",
+                                                                 "https://download.pytorch.org/whl/cpu"]
+    again = run_command([*make, "TORCH_SPEC=torch==2.11.0", "TORCH_PIP_ARGS=--index-url https://download.pytorch.org/whl/cpu"],
+                        timeout=60)
+    assert "ran:" not in again.stdout
+
+
+def test_the_conda_route_installs_what_make_installs_and_pins_the_same_torch():
     makefile = (ROOT / "Makefile").read_text()
     conda = (ROOT / "environment.yml").read_text()
+    spec = re.search(r"^TORCH_SPEC\s*\?=\s*(\S+)", makefile, re.M).group(1)
+    assert re.search(rf"^\s*- {re.escape(spec)}\s*$", conda, re.M), f"environment.yml must pin {spec}, as make does"
     extras = lambda text: [set(m.split(",")) for m in re.findall(r"-e \"?\.\[([a-z,-]+)\]", text)]  # noqa: E731
     make_setup = extras(makefile)[0]  # the setup stamp's install
     assert extras(conda) == [make_setup | {"lab"}], "environment.yml must install make's extras plus JupyterLab"
-    assert re.search(r"torch>=([0-9.]+)", conda).group(1) == re.search(
-        r'"torch>=([0-9.]+)"', (ROOT / "pyproject.toml").read_text()).group(1)
+    assert "PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu" in conda  # how to take the CPU build

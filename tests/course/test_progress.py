@@ -152,7 +152,7 @@ def test_the_command_prints_the_table_and_refuses_a_folder_that_is_not_one(lesso
     assert ok.returncode == 0 and "0 of" in ok.stdout and "next: lesson 01" in ok.stdout, ok.stderr
     bad = subprocess.run([sys.executable, "-m", "ddp_course", "progress", str(tmp_path / "nowhere")],
                          capture_output=True, text=True)
-    assert bad.returncode == 2 and bad.stderr.startswith("error:") and "lessons/" in bad.stderr
+    assert bad.returncode == 2 and bad.stderr.startswith("error:") and "workspace" in bad.stderr
 
 
 def test_every_lesson_notebook_ends_with_the_table():
