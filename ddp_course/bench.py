@@ -24,6 +24,7 @@ import importlib.util
 import inspect
 import os
 import pkgutil
+import re
 import statistics
 import sys
 from collections.abc import Callable
@@ -130,11 +131,64 @@ def parse_options(b: Bench | str, argv: list[str]) -> dict[str, Any]:
     b = get(b) if isinstance(b, str) else b
     try:
         opts = parse_flags(argv, b.defaults, prog=f"python -m ddp_course.bench {b.name}")
+        shared_checks(b, opts)
     except FlagError as exc:
         raise OptionError(str(exc)) from None
     if b.check is not None:
         b.check(opts)
     return opts
+
+
+# A number whose help says what 0 means ("0: ...", "0 = ...") may be 0, as may an untimed warm-up; a
+# seed may be any integer. A help that opens with choices ("rank0 | all | none: ...") or ends with a list
+# ("comma-separated, from: train, profile") names every value the option takes.
+_ZERO_MEANS = ("0:", "0 =", "(0", "untimed")
+_CHOICES = re.compile(r"^([\w.]+(?: \| [\w.]+)+)(?=$|:|\s\()")
+_FROM = re.compile(r"comma-separated, from: ([\w ,]+)$")
+
+
+def shared_checks(b: Bench, opts: dict[str, Any]) -> None:
+    """The checks every benchmark's options get before its own: an option named as a field of
+    ``TrainConfig`` (``n_head``, ``device``, ``timeout_s``, ...) follows that field's rules; ``--device``
+    must be one this machine has (``dist.choose_device``); ``--corpus`` must be one the course can read;
+    a number is positive unless its help says what 0 means; a value is one of the choices its help
+    names; ``--out`` names a folder. Raises FlagError."""
+    import dataclasses
+
+    from ddp_course.config import TrainConfig
+    from ddp_course.data import CorpusError, check_corpus
+    from ddp_course.dist import DeviceError, choose_device
+
+    fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
+    shared = {k: v for k, v in opts.items() if k in fields and type(v) is type(getattr(TrainConfig(), k))}
+    TrainConfig(**shared).validate()  # ConfigError is a FlagError
+    for key, value in opts.items():
+        text = b.help.get(key, "")
+        if text.startswith("internal:") or key == "seed" or value == b.defaults.get(key):
+            continue  # a default is always one the benchmark takes
+        if type(value) in (int, float):
+            zero_ok = any(word in text for word in _ZERO_MEANS) and "at least 1" not in text
+            if value < 0 or (value == 0 and not zero_ok):
+                raise FlagError(f"--{key} must be {'0 or more' if zero_ok else 'positive'} (got {value}).")
+        elif type(value) is str and (_CHOICES.match(text) or _FROM.search(text)):
+            found = _CHOICES.match(text) or _FROM.search(text)
+            allowed = [w.strip() for w in re.split(r"[|,]", found.group(1)) if w.strip()]
+            given = [v.strip() for v in value.split(",")] if _FROM.search(text) else [value]
+            wrong = [v for v in given if v not in allowed] or ([] if any(given) else [value])
+            if wrong:
+                raise FlagError(f"--{key}={value!r}: {wrong[0]!r} is not one of {', '.join(allowed)}.")
+    if "device" in opts:
+        try:
+            choose_device(opts["device"], 1)
+        except DeviceError as exc:
+            raise FlagError(str(exc)) from None
+    if "corpus" in opts:
+        try:
+            check_corpus(opts["corpus"])
+        except CorpusError as exc:
+            raise FlagError(str(exc)) from None
+    if "out" in opts and not str(opts["out"]).strip():
+        raise FlagError("--out must name a folder for the result, e.g. --out=bench_results.")
 
 
 def usage(b: Bench | None = None) -> str:
@@ -339,7 +393,7 @@ def main(argv: list[str] | None = None) -> int:
     if any(a in ("-h", "--help") for a in rest):
         print(usage(b))
         return 0
-    if b.defaults.get("echo") == "auto":
+    if b.defaults.get("echo") == "auto" and not any(a.split("=")[0] == "--echo" for a in rest):
         rest = ["--echo=rank0", *rest]  # on the command line, show the job's rank 0 as it runs
     try:
         opts = parse_options(b, rest)

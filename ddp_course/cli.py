@@ -70,13 +70,13 @@ def split_flags(argv: list[str], is_bool: Callable[[str], bool]) -> Iterator[tup
 def parse_flags(argv: list[str], defaults: dict[str, Any], prog: str, *, doc: str | None = None,
                 helps: dict[str, str] | None = None) -> dict[str, Any]:
     """Return ``defaults`` updated from the options in ``argv``, each converted to its default's type
-    (the forms of :func:`split_flags`; an option given twice takes its last value).
+    (the forms of :func:`split_flags`; an option given twice is refused, as ``config.parse_cli`` refuses it).
 
     ``-h`` or ``--help`` prints :func:`usage` (``doc`` and the per-option ``helps``) and exits 0."""
     if any(a in HELP_FLAGS for a in argv):
         print(usage(prog, doc, defaults, helps), flush=True)
         raise SystemExit(0)
-    values = dict(defaults)
+    values, given = dict(defaults), set()
     valid = ("The options and their defaults are: " + ", ".join(f"--{k}={v}" for k, v in defaults.items()) + "."
              if defaults else "It takes no options.")
     for key, value, args in split_flags(argv, lambda k: type(defaults.get(k)) is bool):
@@ -89,6 +89,9 @@ def parse_flags(argv: list[str], defaults: dict[str, Any], prog: str, *, doc: st
         default = defaults[key]
         if value is None:
             raise FlagError(f"{prog}: --{key} needs a value, e.g. --{key}={default}.")
+        if key in given:
+            raise FlagError(f"{prog}: --{key} is given twice; give it once.")
+        given.add(key)
         try:
             values[key] = convert(value, type(default))
         except ValueError:

@@ -114,6 +114,13 @@ def load_corpus(name: str = "tinyshakespeare", announce: Callable[[str], object]
     return Corpus(str(path), text, str(path))
 
 
+def check_corpus(name: str) -> None:
+    """Raise :class:`CorpusError` when ``name`` is not a corpus :func:`load_corpus` can read, before any
+    job starts (tinyshakespeare and offline always can: the first falls back to the second)."""
+    if name not in ("offline", "tinyshakespeare"):
+        load_corpus(name, announce=lambda _line: None)
+
+
 class CharTokenizer:
     """One token per distinct character of the corpus (vocabulary sorted, so it is reproducible)."""
 

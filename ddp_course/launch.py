@@ -29,7 +29,7 @@ from typing import Any
 
 from ddp_course import parallel, postmortem
 from ddp_course.config import ConfigError, from_dict, to_cli
-from ddp_course.dist import choose_device, cpu_count
+from ddp_course.dist import DeviceError, choose_device, cpu_count
 from ddp_course.metrics import read_jsonl, write_json
 from ddp_course.paths import shorten
 
@@ -265,9 +265,15 @@ def _explain_failure(run: Run, log_dir: Path | None) -> str:
 
 def _validate_train(overrides: dict[str, Any], nproc: int) -> None:
     """Check a training config in the kernel, before any process starts (instant, clear errors)."""
+    from ddp_course.data import CorpusError, check_corpus
+
     cfg = from_dict(overrides)
     cfg.resolve_batch(nproc)
-    choose_device(cfg.device, nproc)
+    try:
+        choose_device(cfg.device, nproc)
+        check_corpus(cfg.corpus)
+    except (DeviceError, CorpusError) as exc:  # bad input: a ConfigError, told before any process starts
+        raise ConfigError(str(exc)) from None
     why = parallel.get(cfg.strategy).refusal(distributed=True, world_size=nproc)  # torchrun starts every job of N > 1
     if why and nproc > 1:
         raise ConfigError(why)

@@ -243,9 +243,21 @@ def test_a_job_that_refuses_its_input_is_a_refusal_not_a_crash(tmp_path):
     assert not isinstance(err.value, LaunchRefused)
 
 
-@pytest.mark.parametrize("argv", [["doctor", "--bogus"], ["doctor", "extra"], ["check", "09", "x.py", "y.py"],
-                                  ["check", "--bogus", "x"], ["check", "01"], ["progress", "--bogus"],
-                                  ["progress", "a", "b"], ["frobnicate"]])
+BAD = [["doctor", "--bogus"], ["doctor", "extra"], ["check", "09", "x.py", "y.py"], ["check", "--bogus", "x"],
+       ["check", "01"], ["progress", "--bogus"], ["progress", "a", "b"], ["frobnicate"], ["update", "--bogus"],
+       ["update", "--diff"], ["reset"], ["reset", "no_such_lesson"], ["reset", "--all", "01_minigpt"],
+       ["run", "--corpus=/no/such/file.txt"], ["run", "--max_steps=2", "--max_steps=3"],
+       ["bench", "overhead", "--corpus=/no/such/file.txt"], ["bench", "overhead", "--rounds=0"],
+       ["bench", "overhead", "--rounds=2", "--rounds=3"], ["bench", "scaling", "--n_head=0"],
+       ["bench", "overhead", "--device=gpu"], ["bench", "buckets", "--echo=loud"], ["bench", "gpu", "--sizes=big"],
+       ["bench", "gpu", "--sizes="], ["bench", "gpu", "--warmup=0"], ["bench", "no_sync", "--timeout_s=-1"]]
+if not torch.cuda.is_available():
+    BAD += [["run", "--device=cuda"], ["bench", "overhead", "--device=cuda"]]
+if torch.cuda.device_count() < 2:
+    BAD += [["bench", "dp_vs_ddp"]]
+
+
+@pytest.mark.parametrize("argv", BAD, ids=" ".join)
 def test_every_command_refuses_bad_input_in_one_line_with_exit_2(argv, capsys):
     assert course_cli.main(argv) == 2
     out, err = capsys.readouterr()

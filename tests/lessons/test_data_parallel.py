@@ -207,13 +207,13 @@ def test_train_with_strategy_dp_refuses_through_the_launcher(tmp_path):
 
 
 @without_2_gpus
-def test_benchmark_skips_with_a_reason_and_exits_0(tmp_path, capsys):
+def test_benchmark_without_two_gpus_is_refused_in_one_line_before_anything_starts(tmp_path, capsys):
     from ddp_course.course.l03_data_parallel import bench_dp_vs_ddp
 
-    assert bench_dp_vs_ddp.main([f"--out={tmp_path}"]) == 0
-    result = json.loads((tmp_path / "dp_vs_ddp.json").read_text())
-    assert result["skipped"] is True and "needs at least 2 CUDA GPUs" in result["reason"]
-    assert "skipped" in capsys.readouterr().out
+    assert bench_dp_vs_ddp.main([f"--out={tmp_path}"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: DP vs DDP needs at least 2 CUDA GPUs") and err.count("\n") == 1, err
+    assert not (tmp_path / "dp_vs_ddp.json").exists()
     assert bench_dp_vs_ddp.main(["--stepz=3"]) == 2  # unknown options are refused, with a suggestion
     assert "--steps" in capsys.readouterr().err
 

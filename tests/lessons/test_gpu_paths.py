@@ -207,11 +207,11 @@ def test_dp_vs_ddp_as_far_as_one_gpu_allows(tmp_path):
     records = [json.loads(p.read_text()) for p in sorted((tmp_path / "ddp").glob("gpu_memory_rank*.json"))]
     assert [list(r["gpus"]) for r in records] == [["0"], ["0"]]
     assert all(r["gpus"]["0"]["peak_allocated_bytes"] > 0 for r in records)
-    # The DP half needs two GPUs: with one, the benchmark says so and records the skip.
-    python_module("ddp_course.course.l03_data_parallel.bench_dp_vs_ddp", [f"--out={tmp_path}"],
-                  env={"CUDA_VISIBLE_DEVICES": _one_gpu_shared()["CUDA_VISIBLE_DEVICES"]})
-    res = json.loads((tmp_path / "dp_vs_ddp.json").read_text())
-    assert res["skipped"] and "one CUDA GPU" in res["reason"]
+    # The DP half needs two GPUs: with one, the benchmark refuses in one line, before anything starts.
+    r = python_module("ddp_course.course.l03_data_parallel.bench_dp_vs_ddp", [f"--out={tmp_path}"],
+                      env={"CUDA_VISIBLE_DEVICES": _one_gpu_shared()["CUDA_VISIBLE_DEVICES"]}, check=False)
+    assert r.returncode == 2 and r.stderr.startswith("error: DP vs DDP needs at least 2 CUDA GPUs"), r.stderr
+    assert "one CUDA GPU" in r.stderr and not (tmp_path / "dp_vs_ddp.json").exists()
 
 
 @pytest.mark.cuda

@@ -11,8 +11,9 @@ global batch, seed and number of steps:
 - ``--strategy=ddp``: torchrun with N processes, one GPU each, batch / N sequences per process.
 
 It prints a table (tokens/s, peak memory of each GPU, final loss) and writes
-``<out>/dp_vs_ddp.json``. On a machine with fewer than two CUDA GPUs it prints why it is skipped,
-writes the JSON with ``"skipped": true`` and the reason, and exits 0.
+``<out>/dp_vs_ddp.json``. On a machine with fewer than two CUDA GPUs it is refused as bad input before
+anything starts: one ``error:`` line saying why, exit 2 (lesson 03 asks ``skip_reason()`` first and
+shows the mechanism on CPU tensors instead).
 """
 
 from __future__ import annotations
@@ -47,14 +48,19 @@ def skip_reason(gpus_wanted: int = 0) -> str | None:
     return None
 
 
-def _check(opts: dict[str, Any], n: int) -> None:
-    harness.positive(opts, "steps", "log_interval", "batch", "n_layer", "n_head", "n_embd", "block_size")
+def _check(opts: dict[str, Any]) -> None:
+    """Bad input, before anything starts: a machine without the GPUs the comparison needs (asking for it
+    there is asking for what this machine cannot give), or a batch or step count it cannot use."""
+    reason = skip_reason(opts["gpus"])
+    if reason is not None:
+        raise harness.OptionError(reason)
+    n = opts["gpus"] or torch.cuda.device_count()
     if opts["batch"] % n:
-        raise BenchError(f"--batch={opts['batch']} must divide evenly over {n} GPUs (DDP gives each process "
-                         f"batch / {n}); try --batch={max(n, opts['batch'] // n * n)}.")
+        raise harness.OptionError(f"--batch={opts['batch']} must divide evenly over {n} GPUs (DDP gives each "
+                                  f"process batch / {n}); try --batch={max(n, opts['batch'] // n * n)}.")
     if opts["steps"] <= opts["log_interval"]:
-        raise BenchError(f"--steps={opts['steps']} must exceed --log_interval={opts['log_interval']}: the first "
-                         "interval is warm-up and is not counted in tokens/s.")
+        raise harness.OptionError(f"--steps={opts['steps']} must exceed --log_interval={opts['log_interval']}: the "
+                                  "first interval is warm-up and is not counted in tokens/s.")
 
 
 def _memory(out_dir: Path) -> dict[int, int]:
@@ -66,7 +72,7 @@ def _memory(out_dir: Path) -> dict[int, int]:
     return dict(sorted(peaks.items()))
 
 
-@harness.bench(NAME,
+@harness.bench(NAME, check=_check,
                steps=(60, "optimizer steps of each run"),
                log_interval=(10, "steps per metrics row; the first interval (warm-up) is left out of tokens/s"),
                batch=(64, "sequences per optimizer step in both runs (DDP: batch / gpus per process)"),
@@ -77,17 +83,11 @@ def _memory(out_dir: Path) -> dict[int, int]:
                timeout_s=(600.0, "wall-clock limit of each run (the job is stopped after it)"),
                echo=("rank0", "rank0 | all | none: the runs' output shown while they run"))
 def dp_vs_ddp(opts: dict[str, Any]) -> dict[str, Any]:
-    """Run the comparison (or record the skip) and return the result written to ``<out>/dp_vs_ddp.json``."""
+    """Run the comparison and return the result written to ``<out>/dp_vs_ddp.json`` (a machine with fewer
+    than two CUDA GPUs is refused before this runs: ``_check``)."""
     out = Path(opts["out"])
-    reason = skip_reason(opts["gpus"])
-    if reason is not None:
-        print(f"[{NAME}] skipped: {reason}", flush=True)
-        return {"bench": NAME, "skipped": True, "reason": reason, "cuda_available": torch.cuda.is_available(),
-                "gpus_visible": torch.cuda.device_count() if torch.cuda.is_available() else 0, "options": opts}
-
     visible = torch.cuda.device_count()
     n = opts["gpus"] or visible
-    _check(opts, n)
     env = None
     if n < visible:  # only the first n GPUs, for both runs
         ids = os.environ.get("CUDA_VISIBLE_DEVICES", ",".join(str(i) for i in range(visible))).split(",")
