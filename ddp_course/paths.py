@@ -27,10 +27,13 @@ def _anchors() -> list[tuple[Path, str]]:
 def show(path: str | os.PathLike) -> str:
     """``path`` for printing: relative to the repository when inside it, else ``$DDP_COURSE_DATA/...``
     (the corpus folder) or ``~/...``; other paths unchanged. Relative paths are taken from the
-    current directory."""
+    current directory; a relative name with a space that names no file is a description, not a path
+    (the offline corpus's "pydoc_data.topics (offline fallback)"), and is returned as written."""
     if "://" in str(path):  # a URL (a corpus downloaded on first use)
         return str(path)
     p = Path(path).expanduser()
+    if " " in str(path) and not p.is_absolute() and not p.exists():
+        return str(path)
     try:
         p = p.resolve()
     except OSError:

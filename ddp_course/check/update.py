@@ -61,6 +61,10 @@ class Report:
 
     def __str__(self) -> str:
         where = shown(self.folder)
+        if self.made and not (self.moved_in or self.theirs):
+            notebooks = sum(rel.endswith(".ipynb") for rel in self.new)
+            return (f"Made your workspace: {where}/, your copy of the course: {notebooks} notebooks and "
+                    f"{len(self.new) - notebooks} exercise scripts (exercises/). Start with 00_setup.ipynb.")
         lines = [f"{'Made your workspace' if self.made else 'Your workspace'}: {where}/"]
         if self.new:
             lines.append(f"new from the course ({len(self.new)}): {', '.join(self.new)}")

@@ -93,6 +93,7 @@ def course_with_a_venv(tmp_path: Path, fake_pip: bool = True) -> tuple[Path, Pat
     python = venv / "bin" / "python"
     python.write_text('#!/bin/sh\nif [ "$1" = "-m" ] && [ "$2" != "ddp_course" -o "$3" = "update" ]; then\n'
                       '  echo "ran: $*"; echo "PATH=$PATH"; echo "VIRTUAL_ENV=$VIRTUAL_ENV"; echo "WORK=$DDP_COURSE_WORK"\n'
+                      '  echo "CWD=$PWD"\n'
                       f'  exit 0\nfi\nexec "{sys.executable}" "$@"\n')
     python.chmod(0o755)
     for stamp in (".ddp_course-installed", ".ddp_course-lab-installed"):
@@ -102,15 +103,23 @@ def course_with_a_venv(tmp_path: Path, fake_pip: bool = True) -> tuple[Path, Pat
 
 def test_jupyterlab_opens_the_workspace_with_the_venv_on_its_path_from_a_folder_with_a_space(tmp_path):
     """A terminal opened in JupyterLab inherits the server's environment: the venv's bin comes first, and
-    DDP_COURSE_WORK names the workspace, which `make lab` makes or updates first and JupyterLab opens."""
+    DDP_COURSE_WORK names the workspace, which `make lab` makes or updates first and JupyterLab opens and
+    runs in (a terminal starts there). Its terminals run the user's shell, not a login shell, whose
+    /etc/profile would put the system's PATH back (seen with JupyterLab 4 in a container: its terminal's
+    `python` was the system's, without torch)."""
     course, venv = course_with_a_venv(tmp_path)
-    r = run_command(["make", "--no-print-directory", "-C", str(course), "lab"], timeout=60, env={"DDP_COURSE_WORK": ""})
+    (course / "work").mkdir()  # as `update` (played by the fake python) would have made it
+    r = run_command(["make", "--no-print-directory", "-C", str(course), "lab"], timeout=60,
+                    env={"DDP_COURSE_WORK": "", "SHELL": "/bin/bash"})
     runs = r.stdout.split("ran: ")[1:]
     assert [run.splitlines()[0].split()[:3] for run in runs] == [["-m", "ddp_course", "update"], ["-m", "jupyter", "lab"]]
     update, lab = runs
     assert f"WORK={course}/work\n" in update
     assert f"--ServerApp.root_dir={course}/work" in lab.splitlines()[0]
+    assert "--ServerApp.terminado_settings=shell_command=/bin/bash" in lab.splitlines()[0]
     assert f"PATH={venv}/bin:" in lab and f"VIRTUAL_ENV={venv}\n" in lab and f"WORK={course}/work\n" in lab
+    assert f"CWD={course}/work\n" in lab
+    (tmp_path / "my work").mkdir()
     elsewhere = run_command(["make", "--no-print-directory", "-C", str(course), "lab", f"WORK={tmp_path}/my work"],
                             timeout=60)
     assert f"--ServerApp.root_dir={tmp_path}/my work" in elsewhere.stdout
