@@ -94,16 +94,16 @@ workspace: setup
 # JupyterLab opens in the workspace, and runs there: a terminal opened in JupyterLab starts in the
 # workspace (jupyter_server_terminals resolves the folder it is asked for against the server's own
 # working directory first). The server runs with the venv first on its PATH (as `source
-# .venv/bin/activate` would put it) and with DDP_COURSE_WORK naming the workspace, and its terminals
-# run the user's shell as such, not as a login shell (which jupyter_server_terminals starts when the
-# server's output is not a terminal: its /etc/profile would put the system's PATH back), so that a
-# terminal finds the course's python and torchrun, and `python -m ddp_course check` finds the workspace.
+# .venv/bin/activate` would put it) and with DDP_COURSE_WORK naming the workspace; its terminals run
+# tools/lab_shell, the user's shell with the venv first on PATH after their start-up files (pyenv's or
+# conda's init there would put another python first; and without a shell named, jupyter_server_terminals
+# starts a login shell when its output is not a terminal, whose /etc/profile puts the system's PATH back).
 lab: workspace $(LAB_STAMP)
 	@echo "[lab] starting JupyterLab in your workspace, $(WORK)/; open the URL below (00_setup.ipynb is the first lesson)"
-	@venv="$$($(call ABS,$(VENV)))"; work="$$($(call ABS,$(WORK)))"; cd "$$work" && \
+	@venv="$$($(call ABS,$(VENV)))"; work="$$($(call ABS,$(WORK)))"; root="$$PWD"; cd "$$work" && \
 	PATH="$$venv/bin:$$PATH" VIRTUAL_ENV="$$venv" DDP_COURSE_WORK="$$work" \
 	"$$venv/bin/python" -m jupyter lab --ip=127.0.0.1 --port=$(PORT) --no-browser $(ROOT_FLAG) \
-	  --ServerApp.root_dir="$$work" --ServerApp.terminado_settings="shell_command=$${SHELL:-/bin/sh}"
+	  --ServerApp.root_dir="$$work" --ServerApp.terminado_settings="shell_command=[\"$$root/tools/lab_shell\"]"
 
 # The notebooks run as a learner's completed copies (answers in place of the TODOs, no markers,
 # the solutions' outputs kept for the cells nbval compares): build/learner, rebuilt each time. They

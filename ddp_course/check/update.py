@@ -88,7 +88,7 @@ class Report:
         if self.gone:
             lines.append(f"no longer in the course (left as they are): {', '.join(self.gone)}")
         if len(lines) == 1:
-            lines.append("up to date: nothing new from the course, and nothing of yours changed.")
+            lines.append("up to date: nothing new from the course since the last update.")
         return "\n".join(lines)
 
 

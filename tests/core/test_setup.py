@@ -8,8 +8,10 @@ real one (Debian 12's ``python3-torch`` 1.13.1). Nothing is installed: the Makef
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -116,13 +118,34 @@ def test_jupyterlab_opens_the_workspace_with_the_venv_on_its_path_from_a_folder_
     update, lab = runs
     assert f"WORK={course}/work\n" in update
     assert f"--ServerApp.root_dir={course}/work" in lab.splitlines()[0]
-    assert "--ServerApp.terminado_settings=shell_command=/bin/bash" in lab.splitlines()[0]
+    assert f'--ServerApp.terminado_settings=shell_command=["{course}/tools/lab_shell"]' in lab.splitlines()[0]
     assert f"PATH={venv}/bin:" in lab and f"VIRTUAL_ENV={venv}\n" in lab and f"WORK={course}/work\n" in lab
     assert f"CWD={course}/work\n" in lab
     (tmp_path / "my work").mkdir()
     elsewhere = run_command(["make", "--no-print-directory", "-C", str(course), "lab", f"WORK={tmp_path}/my work"],
                             timeout=60)
     assert f"--ServerApp.root_dir={tmp_path}/my work" in elsewhere.stdout
+
+
+@pytest.mark.parametrize("shell", ["bash", "zsh", "sh"])
+def test_a_terminal_in_jupyterlab_finds_the_venvs_python_first_whatever_the_users_start_up_files(shell, tmp_path):
+    """tools/lab_shell, the shell of JupyterLab's terminals: the user's start-up files run (here one puts
+    another python first, as pyenv's or conda's init does), then the venv comes first again."""
+    if shutil.which(shell) is None:
+        pytest.skip(f"no {shell} on this machine")
+    home, other, venv = tmp_path / "home", tmp_path / "other" / "bin", tmp_path / "venv"
+    for folder, word in ((other, "other"), (venv / "bin", "venv")):
+        folder.mkdir(parents=True)
+        (folder / "python").write_text(f"#!/bin/sh\necho {word}\n")
+        (folder / "python").chmod(0o755)
+    home.mkdir()
+    for rc in (".bashrc", ".zshrc"):
+        (home / rc).write_text(f'export PATH="{other}:$PATH"\n')
+    env = {"HOME": str(home), "SHELL": shutil.which(shell), "VIRTUAL_ENV": str(venv),
+           "PATH": f"{venv / 'bin'}:{os.environ['PATH']}"}
+    r = subprocess.run([str(ROOT / "tools" / "lab_shell")], input="python\nexit\n", capture_output=True, text=True,
+                       env=env, timeout=30)
+    assert r.stdout.split()[-1:] == ["venv"], (r.stdout, r.stderr)
 
 
 def test_a_python_older_than_310_is_refused_in_one_line_naming_another(tmp_path):
