@@ -133,7 +133,27 @@ def grade(number: str, path: str | Path, **kwargs) -> Verdict:
                else Verdict(True, ""))
     if not harness.ok:
         return harness
+    delegated = _delegated(exercise, path_, tuple(getattr(grader, "DELEGATES", ())))
+    if delegated is not None:
+        return delegated
     return graded_and_recorded(exercise.name, path, grader, kwargs, harness.message)
+
+
+def _delegated(exercise: Exercise, path: Path, delegates: tuple[str, ...]) -> Verdict | None:
+    """The verdict on a script whose answer hands its work to the course's own version of it, or None."""
+    from ddp_course.check.delegation import delegation
+    from ddp_course.check.registry import parse_source
+
+    shipped = exercise_reference(exercise.name, path) if path.is_file() else None
+    if shipped is None:
+        return None
+    used = delegation(path.read_text(encoding="utf-8"), shipped.source, answer_functions(parse_source(shipped.source)),
+                      delegates)
+    if used is None:
+        return None
+    return Verdict(False, f"{used[0]}() hands its work to the course's own version, {used[1]}: that is the code this "
+                          f"exercise asks you to write. Write {used[0]}() with PyTorch's own calls (the hints above the "
+                          "exercise say which), then re-run the check.")
 
 
 USAGE = ("usage: python -m ddp_course check NN [PATH]   (PATH: default, your workspace's copy; "
