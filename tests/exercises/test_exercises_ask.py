@@ -11,9 +11,10 @@ For every exercise of the course -- the scripts of ``exercises/`` and the exerci
 3. **Nothing before the exercise states its answer.** What the learner sees before the grading cell --
    the lesson's prose and code, the outputs the solution's cells print, the exercise's own text up to
    its second hint, and the shipped script with its TODO comments -- holds no line of the answer (a
-   line of the solution's ``BEGIN SOLUTION`` region, 30 characters or more) and none of the phrases
-   that state it (each grader's ``GIVEAWAYS``; :data:`NOTEBOOK_GIVEAWAYS` for the exercises inside the
-   notebooks).
+   line of the solution's ``BEGIN SOLUTION`` region, 30 characters or more, unless the grader's
+   ``TAUGHT`` names it as what the lesson teaches on purpose before the exercise, with the reason) and
+   none of the phrases that state it (each grader's ``GIVEAWAYS``; :data:`NOTEBOOK_GIVEAWAYS` for the
+   exercises inside the notebooks).
 """
 
 from __future__ import annotations
@@ -180,12 +181,15 @@ def answer_lines(source: str) -> list[str]:
 
 
 def exercise_places() -> list[tuple[str, str, re.Pattern, str, tuple[str, ...]]]:
-    """(exercise, notebook, its grading cell, the answer's source, the phrases that state it) for all."""
+    """(exercise, notebook, its grading cell, the answer's source, the phrases that state it) for all;
+    the answer's source leaves out the lines its grader's ``TAUGHT`` names."""
     notebooks = {p.name[:2]: p.name for p in (ROOT / "solutions").glob("[0-9][0-9]_*.ipynb")}
     found = []
     for name in SCRIPTS:
         ex = check.exercises()[name]
         answer = (ROOT / "solutions" / "exercises" / ex.script).read_text(encoding="utf-8")
+        taught = {_seen(line) for line in getattr(grader_of(name), "TAUGHT", ())}
+        answer = "\n".join(line for line in answer.splitlines() if _seen(line) not in taught)
         found.append((name, notebooks[ex.lesson], re.compile(rf"grade\([^)]*exercises/{re.escape(ex.script)}"), answer,
                       tuple(getattr(grader_of(name), "GIVEAWAYS", ()))))
     for ex in {e.answer: e for e in notebook_exercises(ROOT / "lessons")}.values():

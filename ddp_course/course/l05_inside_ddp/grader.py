@@ -32,6 +32,9 @@ from pathlib import Path
 from ddp_course.check import GradedRun, Verdict, graded_records, run_exercise
 
 EXERCISE = "05_my_ddp.py"
+# What would state the answer before it is graded (tests/exercises/test_exercises_ask.py): the lines that
+# build the buckets last parameter first, bind each bucket to its hook, and average the flat bucket.
+GIVEAWAYS = ("for p in reversed(params)", "bucket=bucket: on_grad_ready", "bucket.flat /= ddp.world_size")
 NPROC = 2
 # The exercise's settings (its harness is compared with the shipped copy before grading, so these
 # are what it runs; the RESULT lines repeat them and a mismatch is reported).

@@ -48,6 +48,12 @@ from ddp_course.check import (
 from ddp_course.cli import command, parse_flags
 
 EXERCISE = "08_save_load.py"  # the script this grades: lessons/exercises/08_save_load.py
+# What would state the answer before it is graded (tests/exercises/test_exercises_ask.py): the gather of
+# every rank's RNG state, the atomic rename, the restore of this rank's own state.
+GIVEAWAYS = ("gather_object(torch.get_rng_state()", "set_rng_state(state[\"rng\"][info.rank])")
+# Lines of the answer the lesson teaches on purpose before the exercise: section 2 shows the course's own
+# atomic save (a temporary name, then os.replace), which the exercise then applies to a DDP script.
+TAUGHT = ('tmp = path.with_name(path.name + ".tmp")', "os.replace(tmp, path)")
 
 NPROC = 2
 MAX_STEPS, CKPT_STEP, FAIL_AT_STEP = 12, 6, 9
