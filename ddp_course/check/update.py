@@ -27,6 +27,7 @@ from ddp_course.check.workspace import (
     MANIFEST,
     VAR,
     Workspace,
+    adopt_records,
     cells,
     course_files,
     home,
@@ -57,11 +58,12 @@ class Report:
     kept: list[str] = dataclasses.field(default_factory=list)  # changed by both: the learner's stays
     theirs: list[str] = dataclasses.field(default_factory=list)  # there before the course brought it
     moved_in: list[str] = dataclasses.field(default_factory=list)  # the learner's edits found in lessons/
+    grades: int = 0  # verdicts found where the course kept them before there were workspaces, copied in
     gone: list[str] = dataclasses.field(default_factory=list)  # no longer in the course (left as they are)
 
     def __str__(self) -> str:
         where = shown(self.folder)
-        if self.made and not (self.moved_in or self.theirs):
+        if self.made and not (self.moved_in or self.theirs or self.grades):
             notebooks = sum(rel.endswith(".ipynb") for rel in self.new)
             return (f"Made your workspace: {where}/, your copy of the course: {notebooks} notebooks and "
                     f"{len(self.new) - notebooks} exercise scripts (exercises/). Start with 00_setup.ipynb.")
@@ -74,6 +76,9 @@ class Report:
             lines.append(f"updated (you had not changed them): {', '.join(self.updated)}")
         for rel, kept in self.ran:
             lines.append(f"updated {rel} (you had only run it; your copy with its outputs: {kept})")
+        if self.grades:
+            lines.append(f"your earlier grades ({self.grades} verdict{'s' if self.grades != 1 else ''}, from lessons/runs/check/ and runs/check/) copied "
+                         f"into {where}/runs/check/")
         if self.moved_in:
             lines.append(f"your edits found in lessons/, copied into the workspace: {', '.join(self.moved_in)}; "
                          "`git checkout lessons/` then gives the checkout the course's copies back, so that "
@@ -125,6 +130,8 @@ def update(folder: Path, course: dict[str, str] | None = None) -> Report:
             report.ran.append((rel, shown(kept / rel, folder)))
         else:
             report.kept.append(rel)
+    if made:
+        report.grades = adopt_records(folder, ROOT)
     for rel in sorted(set(ws.copied) - set(course)):
         report.gone.append(rel)
         del ws.copied[rel]

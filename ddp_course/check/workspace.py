@@ -167,3 +167,32 @@ def refusal(folder: Path) -> str | None:
         return (f"{shown(folder)}/ is a folder of the course itself, not a workspace: run this from the checkout's "
                 f"top or from your workspace (work/, or the folder ${VAR} names).")
     return None
+
+
+def adopt_records(folder: Path, root: Path = ROOT) -> int:
+    """Copy the grading records kept before there were workspaces (``lessons/runs/check/`` of the checkout,
+    where the notebooks graded, and ``runs/check/`` at its top, where ``check`` wrote) into ``folder``'s,
+    each verdict's file named as in the workspace (``lessons/exercises/x.py`` -> ``exercises/x.py``); the
+    workspace's own verdicts win. Returns how many verdicts were copied."""
+    from ddp_course.check.registry import RECORDS
+
+    copied = 0
+    for old in (root / "lessons" / RECORDS, root / RECORDS):
+        for path in sorted(old.glob("*.json")) if old.is_dir() else []:
+            try:
+                theirs = json.loads(path.read_text(encoding="utf-8"))["verdicts"]
+            except (OSError, ValueError, KeyError, TypeError):
+                continue
+            mine_path = folder / RECORDS / path.name
+            try:
+                mine = json.loads(mine_path.read_text(encoding="utf-8"))["verdicts"]
+            except (OSError, ValueError, KeyError, TypeError):
+                mine = []
+            for entry in theirs:
+                entry = {**entry, "file": str(entry.get("file", "")).removeprefix("lessons/")}
+                if not any(e.get("file") == entry["file"] and e.get("started") == entry.get("started") for e in mine):
+                    mine.append(entry)
+                    copied += 1
+            mine.sort(key=lambda e: e.get("started", 0), reverse=True)
+            write(mine_path, json.dumps({"exercise": path.stem, "verdicts": mine}, indent=2) + "\n")
+    return copied

@@ -121,6 +121,21 @@ def test_edits_made_in_lessons_before_there_were_workspaces_move_into_the_new_on
     assert updates.update(folder, later).kept == ["01_a.ipynb"]  # the learner's, and so never written over
 
 
+def test_grades_kept_before_there_were_workspaces_are_copied_in(tmp_path, monkeypatch):
+    root, folder = tmp_path / "checkout", tmp_path / "work"
+    old = {"exercise": "01_a", "verdicts": [{"file": "lessons/exercises/01_a.py", "sha256": "x", "ok": True,
+                                             "started": 1.0, "message": "PASS"}]}
+    for place in (root / "lessons" / check.RECORDS, root / check.RECORDS):
+        place.mkdir(parents=True)
+        (place / "01_a.json").write_text(json.dumps(old))
+    monkeypatch.setattr(updates, "ROOT", root)
+    report = updates.update(folder, dict(COURSE))
+    assert report.grades == 1 and "earlier grades (1 verdict," in str(report)  # the same verdict, once
+    [entry] = json.loads((folder / check.RECORDS / "01_a.json").read_text())["verdicts"]
+    assert entry["file"] == "exercises/01_a.py" and entry["ok"]
+    assert updates.update(folder, dict(COURSE)).grades == 0  # only when the workspace is made
+
+
 # --- one workspace, from any folder ------------------------------------------------------------------------
 
 @pytest.fixture
