@@ -147,7 +147,7 @@ def _script_items(folder: Path) -> list[Item]:
         item = Item(ex.lesson, ex.name, rel, "not started", todo=f"python -m ddp_course check {shortest_key(ex)}")
         if not path.is_file():
             items.append(dataclasses.replace(item, why=f"{rel} is missing",
-                                             todo=f"python -m ddp_course reset {rel} (the course's copy)"))
+                                             todo=f"python -m ddp_course reset {rel}"))
             continue
         source = path.read_text(encoding="utf-8")
         items.append(_judged(item, _entries(ex.name, folder, rel), sha256_file(path), "sha256",
