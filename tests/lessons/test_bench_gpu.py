@@ -61,16 +61,16 @@ def test_gpu_bench_on_cpu(tmp_path, capsys, keep_threads):
 def test_gpu_bench_option_errors(capsys, tmp_path):
     assert bench.main(["gpu", "--help"]) == 0
     assert "--sizes=shakespeare,gpt2" in capsys.readouterr().out
-    cases = [("--sizes=gpt3", 1, "unknown size(s) ['gpt3']"),
-             ("--compile=maybe", 1, "choose one of auto, both, on, off"),
-             ("--scale=huge", 1, "--scale='huge'"), ("--warmup=0", 1, "--warmup must be at least 1"),
-             ("--steps=-1", 1, "--steps must be 0 or more"), ("--stepz=3", 2, "Did you mean --steps"),
+    cases = [("--sizes=gpt3", 2, "'gpt3' is not one of shakespeare, gpt2"),
+             ("--compile=maybe", 2, "'maybe' is not one of both, on, off, auto"),
+             ("--scale=huge", 2, "'huge' is not one of full, small, auto"), ("--warmup=0", 2, "--warmup must be positive"),
+             ("--steps=-1", 2, "--steps must be 0 or more"), ("--stepz=3", 2, "Did you mean --steps"),
              ("--repeats=x", 2, "--repeats expects an integer")]
     for arg, code, message in cases:
         assert bench.main(["gpu", arg, f"--out={tmp_path}"]) == code, arg
         assert message in capsys.readouterr().err, arg
     if not torch.cuda.is_available():
-        assert bench.main(["gpu", "--device=cuda", f"--out={tmp_path}"]) == 1
+        assert bench.main(["gpu", "--device=cuda", f"--out={tmp_path}"]) == 2
         assert "sees no CUDA GPU" in capsys.readouterr().err
     assert not (tmp_path / "gpu.json").exists()
 

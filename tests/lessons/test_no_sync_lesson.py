@@ -102,6 +102,44 @@ def test_bench_times_both_modes_and_checks_the_counts(tmp_path):
     assert job["allreduce_s"] > 0
 
 
+def test_skipped_work_keeps_the_reducer_rows_the_lesson_names():
+    """Lesson 06 names the reducer's steps in the profile (the division, torch::distributed::reducer::mul_out;
+    the all-reduce; the copy back into .grad): ``skipped_work`` keeps them whatever their rank by time.
+    It used to keep only the top operators, and on a CPU the division's own label ranked below them, so
+    the lesson's profile named a row it did not show. On a one-rank gloo group in this process, with the
+    top cut to one operator."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from ddp_course.course.l06_grad_accumulation.bench_no_sync import skipped_work
+
+    if dist.is_initialized():
+        pytest.skip("this process already has a process group")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        ddp = DDP(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1)))
+        x = torch.randn(4, 8)
+
+        def step(no_sync: bool) -> None:
+            for k in range(4):
+                with ddp.no_sync() if no_sync and k < 3 else __import__("contextlib").nullcontext():
+                    ddp(x).sum().backward()
+            ddp.zero_grad(set_to_none=True)
+
+        found = skipped_work(step, repeats=2, top=1)
+    finally:
+        dist.destroy_process_group()
+    names = {op["name"]: op for op in found["ops"]}
+    for name in ("torch::distributed::reducer::mul_out", "c10d::allreduce_",
+                 "torch.distributed.ddp.reducer::copy_bucket_to_grad"):
+        assert name in names, (name, sorted(names))
+    # one call per parameter on each synchronising micro-step: 1 with no_sync, 4 without (4 parameters)
+    assert (names["torch::distributed::reducer::mul_out"]["calls_no_sync"],
+            names["torch::distributed::reducer::mul_out"]["calls_sync"]) == (4, 16)
+
+
 def test_bench_refuses_bad_options(capsys):
     from ddp_course.course.l06_grad_accumulation import bench_no_sync
 
@@ -112,7 +150,7 @@ def test_bench_refuses_bad_options(capsys):
     with pytest.raises(bench_no_sync.BenchError, match="at least 1"):
         bench_no_sync.parse_options(["--world_sizes=0,2"])
     assert bench_no_sync.main(["--steps=0"]) == 2
-    assert "error: --steps must be at least 1" in capsys.readouterr().err
+    assert "error: --steps must be positive (got 0)" in capsys.readouterr().err  # bench.shared_checks, first
 
 
 # --- the exercise grader -------------------------------------------------------------------------------
