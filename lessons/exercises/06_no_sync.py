@@ -6,7 +6,8 @@ micro-batches of all ranks -- exactly what one big batch would give -- and, with
 ``use_no_sync=True``, DDP all-reduces only once (during the last micro-step), not once per
 micro-step. With ``use_no_sync=False`` every micro-step all-reduces (the baseline to compare with).
 
-Remember: DDP decides *in the forward pass* whether the coming backward will all-reduce.
+Where ``no_sync()`` must go follows from lesson 06, section 2: which of DDP's methods reads the flag
+it sets?
 
 Run it (from the repository root):
 
@@ -26,7 +27,7 @@ import sys
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ddp_course.course.l06_grad_accumulation import no_sync_lab as lab
+from ddp_course.course.l06_grad_accumulation import grad_check as lab
 from ddp_course.dist import log, setup
 
 MICRO_BATCH_SIZE, BLOCK_SIZE, SEED = 4, 32, 0
@@ -42,7 +43,7 @@ def accumulate(model: DDP, micro_batches: list[tuple[torch.Tensor, torch.Tensor]
     Leave in .grad the gradient of the mean loss over all micro-batches (they are all the same
     size). Do not step or zero anything: the caller does.
     """
-    # TODO: forward and backward of each micro-batch's loss / K; with use_no_sync, every micro-step but the last (forward included) inside no_sync
+    # TODO: forward and backward of each micro-batch's loss / K; with use_no_sync, no micro-step but the last may all-reduce (section 2: when does DDP read the flag no_sync sets?)
     raise NotImplementedError("exercise: complete this part")
 
 

@@ -20,6 +20,13 @@ from ddp_course.check import Verdict, run_exercise
 
 EXERCISE = "06_no_sync.py"  # the script this grades: lessons/exercises/06_no_sync.py
 
+# The course's own accumulation loops (the lab's, the correct one among them): an accumulate() that calls
+# it is refused. Its arguments differ from the exercise's (ddp, batches, variant, k), so it is named here.
+DELEGATES = ("ddp_course.course.l06_grad_accumulation.no_sync_lab.accumulate",)
+# What would state the answer -- where no_sync() must go -- before the exercise is graded.
+GIVEAWAYS = ("forward included", "forward of every non-final micro-step", "enclose the *forward*",
+             "enclose the forward", "forward and backward inside", "forward *and* backward inside")
+
 NPROC = 2
 # what the exercise's harness runs: (name, micro-batch indices, use_no_sync), and its data
 EXPECTED_CASES = [("K=4 with no_sync", [0, 1, 2, 3], True), ("K=4 without no_sync", [0, 1, 2, 3], False),
@@ -35,7 +42,7 @@ WHY_FORWARD = ("DDP decides during the *forward* whether the coming backward wil
 
 def _reference_norms(world_size: int) -> list[dict[str, float]]:
     """Per-parameter gradient norms of one big batch for each case, computed here, in one process."""
-    from ddp_course.course.l06_grad_accumulation.no_sync_lab import reference_gradient, tiny_model
+    from ddp_course.course.l06_grad_accumulation.grad_check import reference_gradient, tiny_model
 
     model = tiny_model(DATA["seed"], block_size=DATA["block_size"])
     out = []

@@ -21,8 +21,9 @@ gradients are zeroed after every optimizer step, as ``optimizer.zero_grad()`` wo
 line says which. Rank 0 writes ``no_sync_lab.json`` into ``--out_dir``. Options are ``--key=value``
 (``--help`` lists them).
 
-The exercise of lesson 06 (``exercises/06_no_sync.py``) and its grader reuse ``AllReduceCounter``,
-``tiny_model``, ``micro_batch`` and ``reference_gradient`` from here.
+The exercise of lesson 06 (``exercises/06_no_sync.py``) and its grader measure with the same pieces,
+from :mod:`ddp_course.course.l06_grad_accumulation.grad_check` (the exercise does not import this lab:
+its ``accumulate`` holds the correct loop).
 """
 
 from __future__ import annotations
@@ -37,8 +38,15 @@ import torch.distributed as dist
 
 from ddp_course import parallel
 from ddp_course.cli import FlagError, command, parse_flags
+from ddp_course.course.l06_grad_accumulation.grad_check import (
+    AllReduceCounter,
+    compare,
+    micro_batch,
+    reference_gradient,
+    replica_spread,
+    tiny_model,
+)
 from ddp_course.course.options import lab_help, require_device, write_result
-from ddp_course.course.tiny import AllReduceCounter, micro_batch, reference_gradient, tiny_model
 from ddp_course.dist import log, setup
 
 PROG = "torchrun --standalone --nproc_per_node=2 -m ddp_course.course.l06_grad_accumulation.no_sync_lab"
@@ -82,39 +90,12 @@ VARIANTS: dict[str, str] = {
 
 
 # --------------------------------------------------------------------------------------------------
-# pieces shared with the exercise and its grader
 
 def chunks(n_micro: int, k: int) -> list[list[int]]:
     """Micro-batch indices of each optimizer step: K at a time, the leftover in a last, shorter step."""
     if n_micro < 1 or k < 1:
         raise ValueError(f"n_micro and k must be at least 1 (got n_micro={n_micro}, k={k}).")
     return [list(range(s, min(s + k, n_micro))) for s in range(0, n_micro, k)]
-
-
-def flat_grad(model: torch.nn.Module) -> torch.Tensor:
-    """Every parameter's gradient in one float64 vector (zeros where a parameter has none)."""
-    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1).double()
-                      for p in model.parameters()])
-
-
-def compare(model: torch.nn.Module, ref: dict[str, torch.Tensor]) -> dict[str, float]:
-    """This rank's gradient against the reference: relative error and norm ratio."""
-    g = flat_grad(model)
-    r = torch.cat([ref[n].reshape(-1).double() for n, _ in model.named_parameters()])
-    return {"rel_err": ((g - r).norm() / r.norm()).item(), "norm_ratio": (g.norm() / r.norm()).item()}
-
-
-def replica_spread(model: torch.nn.Module) -> float:
-    """Largest element-wise gradient difference between any rank and rank 0 (every rank must call it).
-
-    Uses broadcast and all_reduce directly, not DDP, so the communication hook does not see them.
-    """
-    g = flat_grad(model)
-    g0 = g.clone()
-    dist.broadcast(g0, src=0)
-    diff = (g - g0).abs().max().reshape(1)
-    dist.all_reduce(diff, op=dist.ReduceOp.MAX)
-    return diff.item()
 
 
 # --------------------------------------------------------------------------------------------------
