@@ -27,9 +27,19 @@ def needs_2_gpus(test):
 without_2_gpus = pytest.mark.skipif(N_GPUS >= 2, reason="checks the refusal on a machine with fewer than 2 CUDA GPUs")
 
 
+def _own_reduce(replicas):
+    """A reduction of the learner's own: each other replica's gradients summed into replica 0's, then cleared."""
+    first = list(replicas[0].parameters())
+    for other in replicas[1:]:
+        for p0, p in zip(first, other.parameters()):
+            if p.grad is not None:
+                p0.grad.add_(p.grad)
+                p.grad = None
+
+
 def _mean_reduce(replicas):
     """A classic mistake: average the replicas' gradients (right for DDP, wrong for DP)."""
-    dpm.reduce_gradients(replicas)
+    _own_reduce(replicas)
     for p in replicas[0].parameters():
         if p.grad is not None:
             p.grad /= len(replicas)
@@ -130,7 +140,7 @@ def test_the_equivalence_check_catches_broken_dp(one_thread, broken, kwargs):
 
 
 def test_check_reduce_verdicts(one_thread):
-    assert dpm.check_reduce(dpm.reduce_gradients).ok
+    assert dpm.check_reduce(_own_reduce).ok
     averaged = dpm.check_reduce(_mean_reduce)
     assert not averaged.ok and "averaged" in averaged.message
     kept = dpm.check_reduce(_reduce_without_clearing)
@@ -140,6 +150,24 @@ def test_check_reduce_verdicts(one_thread):
         raise NotImplementedError("exercise: complete this part")
 
     assert "exercise not complete: my_reduce()" in dpm.check_reduce(todo).message
+
+
+def test_check_reduce_refuses_the_course_own_reduction(one_thread):
+    """The exercise asks for step 6, which the course has as ``dpm.reduce_gradients``: the check refuses
+    that function handed in as the answer, a wrapper around it and one that imports it inside, and
+    says so. It used to pass them (its reference is that very function)."""
+    def wrapper(replicas):
+        dpm.reduce_gradients(replicas)
+
+    def imported_inside(replicas):
+        from ddp_course.course.l03_data_parallel.dp_mechanism import reduce_gradients as r
+
+        r(replicas)
+
+    for fn in (dpm.reduce_gradients, wrapper, imported_inside):
+        verdict = dpm.check_reduce(fn)
+        assert not verdict.ok and "hands its work to the course's own version" in verdict.message, verdict
+        assert "reduce_gradients" in verdict.message
 
 
 def test_replication_cost_and_gil_demo_measure_something(one_thread):

@@ -1,8 +1,10 @@
 """The nn.DataParallel mechanism by hand, step by step, on CPU tensors (lesson 03).
 
 ``nn.DataParallel`` only does its work on accelerator devices (CUDA, XPU, MTIA or a custom backend; not
-Apple's MPS: ``torch._utils._get_available_device_type``), so on a CPU machine this module does the same
-steps in plain PyTorch, each one a function the notebook calls and prints:
+Apple's MPS: ``DataParallel.__init__`` in ``torch/nn/parallel/data_parallel.py`` keeps ``device_ids``
+empty when ``torch._utils._get_available_device_type()`` finds no accelerator or finds MPS), so on a
+CPU machine this module does the same steps in plain PyTorch, each one a function the notebook calls and
+prints:
 
 1. :func:`scatter`      split the batch along dim 0 into one chunk per replica (``torch.chunk``, like DP)
 2. :func:`replicate`    replica 0 is the model; the others are ``copy.deepcopy`` of it
@@ -472,20 +474,50 @@ def compare_with_single(n_replicas: int = 3, batch: int = 8, steps: int = 3, *, 
     return comp
 
 
+def _runs_course_reduce(fn: Callable[[Sequence[nn.Module]], None], replicas: Sequence[nn.Module]) -> bool:
+    """Call ``fn(replicas)``; True when it ran the course's own :func:`reduce_gradients`, however it reached
+    it (the function itself, an alias, a wrapper, an import inside it). A profile hook on this thread sees
+    every Python call ``fn`` makes; the previous hook is put back."""
+    found = []
+
+    def hook(frame, event, arg):
+        if event == "call" and frame.f_code is reduce_gradients.__code__:
+            found.append(True)
+
+    previous = sys.getprofile()
+    sys.setprofile(hook)
+    try:
+        fn(replicas)
+    finally:
+        sys.setprofile(previous)
+    return bool(found)
+
+
 @notebook_exercise("my_reduce")
 def check_reduce(fn: Callable[[Sequence[nn.Module]], None]):
     """Notebook exercise: a hand-written gradient reduction must make DP steps equal single-device steps.
 
-    Returns a :class:`ddp_course.check.Verdict` that says what is wrong when it is not.
+    Returns a :class:`ddp_course.check.Verdict` that says what is wrong when it is not. A reduction that
+    runs the course's own :func:`reduce_gradients` is refused: that is the code the exercise asks for.
     """
     from ddp_course.check import Verdict, not_complete
 
+    delegated = []
+
+    def watched(replicas: Sequence[nn.Module]) -> None:
+        if _runs_course_reduce(fn, replicas):
+            delegated.append(True)
+
     try:
-        comp = compare_with_single(n_replicas=3, batch=8, steps=3, reduce_fn=fn)
+        comp = compare_with_single(n_replicas=3, batch=8, steps=3, reduce_fn=watched)
     except NotImplementedError:
         return not_complete("my_reduce()")
     except Exception as exc:  # noqa: BLE001 -- a learner's bug is reported, not raised
         return Verdict(False, f"your reduction raised {type(exc).__name__}: {exc}")
+    if delegated:
+        return Verdict(False, f"my_reduce() hands its work to the course's own version, {__name__}.reduce_gradients: "
+                              "that is the code this exercise asks you to write. Write my_reduce() with PyTorch's own "
+                              "calls (the hints above the exercise say which), then re-run the check.")
     if comp.ok:
         return Verdict(True, f"DP with your reduction equals the single-device step. {comp.summary()}")
     first = comp.grad_err[0]
