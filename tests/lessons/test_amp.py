@@ -243,6 +243,28 @@ def test_check_amp_step(one_thread):
     assert not v.ok and "scaler.step(optimizer)" in v.message
 
 
+def test_check_amp_step_refuses_the_course_own_step(one_thread):
+    """An amp_step that hands its work to the course's fp16 step -- train.train_step, which the check
+    compares with and which does exactly what the exercise asks, or the GradScaler demo's own step -- is
+    refused, however it reaches it (the function itself, a wrapper, an import inside the answer). The
+    check used to pass all three."""
+    from ddp_course import train
+
+    def wrapper(model, opt, scaler, x, y, clip):
+        train.train_step(model, opt, scaler, [(x, y)], device=x.device, precision="fp16", grad_clip=clip)
+
+    def imported_inside(model, opt, scaler, x, y, clip):
+        from ddp_course.train import train_step as step
+
+        step(model, opt, scaler, [(x, y)], device=x.device, precision="fp16", grad_clip=clip)
+
+    for fn, name in ((wrapper, "ddp_course.train.train_step"), (imported_inside, "ddp_course.train.train_step"),
+                     (amp._recorded_fp16_step, "amp._recorded_fp16_step")):
+        v = amp.check_amp_step(fn)
+        assert not v.ok and "hands its work to the course's own version" in v.message and name in v.message, v
+    assert amp.check_amp_step(_step("right")).ok  # PyTorch's own calls are the answer
+
+
 # --------------------------------------------------------------------------------------------------
 # the same code on a GPU
 

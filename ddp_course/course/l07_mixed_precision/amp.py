@@ -449,6 +449,35 @@ def _update_problem(d_mine: torch.Tensor, d_ref: torch.Tensor, scale: float, ref
             "unscale_, clip, scaler.step, scaler.update, zero_grad).")
 
 
+def _course_steps() -> dict[Any, str]:
+    """The course's own fp16 steps (code object -> dotted name): what an ``amp_step`` may not hand its work to."""
+    from ddp_course.train import train_step
+
+    return {train_step.__code__: "ddp_course.train.train_step",
+            _recorded_fp16_step.__code__: f"{__name__}._recorded_fp16_step"}
+
+
+def _runs_course_step(fn: Callable[..., Any], *args: Any) -> tuple[str | None, Any]:
+    """Call ``fn(*args)`` and say which of the course's own fp16 steps it ran, however it reached it (an
+    alias, a wrapper, an import inside the function): ``(dotted name or None, what fn returned)``. A
+    profile hook on this thread sees every Python call ``fn`` makes; the previous hook is put back."""
+    import sys
+
+    steps, found = _course_steps(), []
+
+    def hook(frame, event, arg):
+        if event == "call" and frame.f_code in steps:
+            found.append(steps[frame.f_code])
+
+    previous = sys.getprofile()
+    sys.setprofile(hook)
+    try:
+        out = fn(*args)
+    finally:
+        sys.setprofile(previous)
+    return (found[0] if found else None), out
+
+
 @notebook_exercise("amp_step")
 def check_amp_step(fn: Callable[..., Any], *, device: torch.device | None = None, steps: int = 5,
                    spike_step: int = 2) -> Any:
@@ -457,7 +486,8 @@ def check_amp_step(fn: Callable[..., Any], *, device: torch.device | None = None
     forced at ``spike_step``; return a :class:`ddp_course.check.Verdict` that says what differs.
 
     Plain SGD is used here (not AdamW): its update is proportional to the gradient, so a gradient
-    left scaled, clipped while scaled, or not clipped at all shows up as a wrong step size.
+    left scaled, clipped while scaled, or not clipped at all shows up as a wrong step size. An ``fn`` that
+    runs the course's own step (``train.train_step``, or the demo's ``_recorded_fp16_step``) is refused.
     """
     from ddp_course.check import Verdict, not_complete
     from ddp_course.model import GPTConfig, MiniGPT
@@ -489,11 +519,15 @@ def check_amp_step(fn: Callable[..., Any], *, device: torch.device | None = None
         w_mine = [p.detach().clone() for p in mine.parameters()]
         train_step(ref, ref_opt, ref_scaler, [(x, y)], device=device, precision="fp16", grad_clip=clip)
         try:
-            fn(mine, my_opt, my_scaler, x, y, clip)
+            delegated, _ = _runs_course_step(fn, mine, my_opt, my_scaler, x, y, clip)
         except NotImplementedError:
             return not_complete("amp_step()")
         except Exception as exc:  # the learner's bug, reported in one line, with what usually causes it
             return Verdict(False, f"step {step}: amp_step raised {type(exc).__name__}: {_raised_hint(exc)}")
+        if delegated is not None:
+            return Verdict(False, f"amp_step() hands its work to the course's own version, {delegated}: that is the "
+                                  "code this exercise asks you to write. Write amp_step() with PyTorch's own calls "
+                                  "(the hints above the exercise say which), then re-run the check.")
         if my_now["dtype"] != torch.float16:
             return Verdict(False, f"step {step}: the output layer ran in {my_now['dtype']}, not float16: run the "
                                   "forward under torch.autocast(device_type=x.device.type, dtype=torch.float16).")

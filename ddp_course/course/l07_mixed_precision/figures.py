@@ -62,7 +62,7 @@ def scaler_trace(demo: dict[str, Any]):
         b.axvline(r["step"], color="C3", alpha=0.4, lw=6)
     b.set_xlabel("step")
     b.set_ylabel("gradient norm")
-    b.set_title("clip after unscale_ (red: inf/nan, step skipped)")
+    b.set_title("the gradient norm (red: inf/nan, step skipped)")
     b.grid(alpha=0.3)
     b.legend(fontsize=8)
     fig.tight_layout()
