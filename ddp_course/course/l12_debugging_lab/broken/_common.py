@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import time
-import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -26,9 +25,11 @@ from ddp_course.course.tiny import VOCAB
 from ddp_course.metrics import write_json
 
 # Joining the process group waits for every rank to start; on a busy machine starting Python and torch
-# can take many seconds, so the rendezvous gets a generous timeout. The programs that hang on purpose
-# run their collectives in a group of their own with the short ``--timeout_s``.
-INIT_TIMEOUT_S = 60.0
+# can take minutes, so the rendezvous (and every collective that is not the bug) gets a generous timeout.
+# It is not what stops a job that truly hangs: the lab's launcher does that, by the CPU the job's
+# processes use (``broken.IDLE_S``). The programs that hang on purpose run the collectives of the bug in
+# a group of their own with the short ``--timeout_s``, and only once every rank has arrived (:func:`together`).
+INIT_TIMEOUT_S = 600.0
 # Why the lab stays on the CPU: the bugs that hang are made to end in a process-group timeout, which
 # gloo reports as an error every rank catches and records; under NCCL the watchdog would abort the
 # processes instead. The other bugs (data, seeds, no_sync, saving) show the same on any device.
@@ -95,11 +96,37 @@ class Record:
         phase began (for a timeout: about the time spent waiting)."""
         msg = str(exc).strip()
         self.note(error={"where": where, "type": type(exc).__name__, "message": msg[:2000],
-                         "seconds": round(time.perf_counter() - self.t_phase, 2),
-                         "traceback_tail": traceback.format_exc().strip().splitlines()[-3:]})
+                         "seconds": round(time.perf_counter() - self.t_phase, 2)})
 
     def write(self) -> None:
         write_json(self.path, self.data)  # atomic: a rank killed mid-write leaves the last full record
+
+
+def together() -> None:
+    """Wait until every rank is here, on the default group (its generous timeout): a rank that a busy
+    machine slowed down arrives late, but it arrives, and the short timeout of the phase that follows
+    only ever measures the bug."""
+    import torch.distributed as dist
+
+    dist.barrier()
+
+
+def roll_call(timeout_s: float = INIT_TIMEOUT_S) -> None:
+    """Wait until every process torchrun started (``WORLD_SIZE`` of its environment) has reached this
+    call, through torchrun's own store (``MASTER_ADDR``:``MASTER_PORT``), for at most ``timeout_s``.
+
+    For a program whose bug is in joining the process group itself: its short timeout then starts
+    once all the ranks that exist are there, however slowly a busy machine started them.
+    """
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store = TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                     timeout=timedelta(seconds=timeout_s))
+    store.set(f"debugging_lab/roll_call/{rank}", "here")
+    store.wait([f"debugging_lab/roll_call/{r}" for r in range(world)])
 
 
 def short_group(timeout_s: float):

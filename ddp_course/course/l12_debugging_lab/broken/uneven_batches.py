@@ -8,7 +8,8 @@ one sample) and rank 1 gets 12 (3 batches). Every backward of a DDP model all-re
 so rank 0's fourth backward waits for a partner that has already left the loop -- here for the
 ``barrier`` before saving a checkpoint. Neither can finish: the job hangs until the process-group
 timeout (``--timeout_s``; DDP and the barrier use a group made with that short timeout right after
-the rendezvous).
+the rendezvous, and each variant starts once every rank has arrived, on the default group's generous
+timeout: a rank a busy machine slowed down is never what times out).
 
 Three variants, in this order:
 
@@ -41,6 +42,7 @@ from ddp_course.course.l12_debugging_lab.broken._common import (
     flags,
     short_group,
     tiny_model,
+    together,
     token_batch,
 )
 from ddp_course.dist import log
@@ -84,6 +86,7 @@ def main(argv: list[str]) -> None:
         ds = Windows(opts["n"])
         shard = list(range(len(ds)))[info.rank::info.world_size]  # a hand-made shard: uneven when n % W != 0
         for variant in variants:
+            together()  # every rank here before the short timeout can count
             loader = DataLoader(ds, batch_size=opts["batch"], sampler=shard, drop_last=(variant == "fixed"))
             rec.note(**{variant: {"samples": len(shard), "batches": len(loader)}}, phase=variant)
             log(f"[{variant}] rank {info.rank}: {len(shard)} samples, {len(loader)} batches", all_ranks=True)

@@ -1,22 +1,16 @@
-"""Bug: every rank shuffles the data with the same seed. All ranks train on the same batches.
+"""A small DDP training on windows of the course's corpus, run twice.
 
-    torchrun --standalone --nproc_per_node=2 -m ddp_course.course.l12_debugging_lab.broken.same_seed --out_dir=runs/broken/same_seed
+    torchrun --standalone --nproc_per_node=2 -m ddp_course.course.l12_debugging_lab.broken.train_windows --out_dir=runs/broken/train_windows
 
-A hand-written shuffle instead of a ``DistributedSampler``: each rank draws its batches from a
-``torch.Generator`` seeded with the job's seed -- the same seed on every rank, so the same batches
-on every rank. DDP still averages the gradients and the loss still falls, but the N ranks compute
-the same gradient N times: the job trains on one rank's worth of data at N times the cost.
+Exercise C of lesson 12: what goes wrong in this program is for the learner to find, so the program
+says no more about it than a real one would. (The answer, for maintainers: ``BUGS["train_windows"]`` in
+``broken/__init__.py``.)
 
-Both variants train a small MiniGPT with DDP for ``--steps`` steps on windows of the course's corpus:
-
-- **broken** -- ``g = torch.Generator().manual_seed(seed)``, batch ``i`` = the next ``batch`` indices
-  of ``torch.randperm(len(dataset), generator=g)``;
-- **fixed** -- the course's ``DistributedSampler`` (shared seed, a disjoint shard per rank).
-
-Each rank notes in ``rank<R>.json``, per step, the window indices it trained on and its own loss
-before DDP averaged the gradients: the per-rank data to compare. (Identical losses on every rank,
-to the last bit, are the tell-tale sign; different data never gives that.) The model itself is
-seeded identically on every rank, as it must be -- only the *data* seed must differ or be sharded.
+Both runs train the same small MiniGPT with DDP for ``--steps`` steps: the ``broken`` one picks its
+batches the way the program was first written, the ``fixed`` one with the course's
+``DistributedSampler``. Like most training scripts, only rank 0 prints (its loss per step). Each rank
+notes in ``rank<R>.json``, per run, the window indices it trained on at every step and its own loss
+before DDP averaged the gradients: the per-rank data to compare.
 """
 
 from __future__ import annotations
@@ -33,15 +27,15 @@ from ddp_course.data import prepare, train_sampler
 from ddp_course.dist import log
 from ddp_course.model import GPTConfig, MiniGPT
 
-PROG = "torchrun --standalone --nproc_per_node=2 -m ddp_course.course.l12_debugging_lab.broken.same_seed"
+PROG = "torchrun --standalone --nproc_per_node=2 -m ddp_course.course.l12_debugging_lab.broken.train_windows"
 
 
 def batches_for(variant: str, n: int, batch: int, steps: int, rank: int, world: int, seed: int) -> list[list[int]]:
     if variant == "broken":
-        g = torch.Generator().manual_seed(seed)  # THE BUG: the same seed on every rank
+        g = torch.Generator().manual_seed(seed)  # a reproducible shuffle
         order = torch.randperm(n, generator=g).tolist()
         return [order[s * batch:(s + 1) * batch] for s in range(steps)]
-    sampler = train_sampler(range(n), rank, world, seed)  # DistributedSampler: a disjoint shard per rank
+    sampler = train_sampler(range(n), rank, world, seed)  # the course's DistributedSampler
     sampler.set_epoch(0)
     order = list(sampler)
     return [order[s * batch:(s + 1) * batch] for s in range(steps)]
@@ -54,7 +48,7 @@ def main(argv: list[str]) -> None:
         data = prepare(opts["corpus"], 32, 0.1, announce=lambda m: log(m))
         ds = data.train
         for variant in ("broken", "fixed"):
-            torch.manual_seed(0)  # the model: the same initial weights on every rank (correct)
+            torch.manual_seed(0)  # the model's initial weights
             model = DDP(MiniGPT(GPTConfig(vocab_size=data.tokenizer.vocab_size, block_size=32, n_layer=1,
                                           n_head=2, n_embd=32)))
             opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -70,8 +64,7 @@ def main(argv: list[str]) -> None:
                 opt.zero_grad(set_to_none=True)
                 losses.append(loss.item())  # this rank's own loss, before any averaging
             rec.note(**{variant: {"indices": plan, "local_losses": losses}})
-            log(f"[{variant}] rank {info.rank}: first batch windows {plan[0]}, local losses "
-                + ", ".join(f"{v:.6f}" for v in losses), all_ranks=True)
+            log(f"[{variant}] loss by step: " + ", ".join(f"{v:.4f}" for v in losses))  # rank 0's, as usual
 
 
 if __name__ == "__main__":
