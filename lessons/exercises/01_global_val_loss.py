@@ -29,11 +29,8 @@ N_WINDOWS = 47  # a prime: with 2, 3 or 4 ranks the shards are uneven on purpose
 
 
 def global_mean(local_sum: torch.Tensor, local_count: int) -> float:
-    """The mean over every rank's items, given this rank's sum and count. Every rank must call it.
-
-    Averaging the per-rank means would be wrong when the ranks hold different numbers of items.
-    """
-    # TODO: sum this rank's sum and count over all ranks (one collective), return the global mean as a float
+    """The mean over every rank's items, given this rank's sum and count. Every rank must call it."""
+    # TODO: give every rank the mean over all ranks' items, as a float (every rank calls the same collective)
     raise NotImplementedError("exercise: complete this part")
 
 

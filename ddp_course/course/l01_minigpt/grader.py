@@ -12,12 +12,17 @@ from ddp_course.check import Verdict, nearest, not_complete, run_exercise
 from ddp_course.check.records import notebook_exercise
 
 EXERCISE = "01_global_val_loss.py"  # the script this grades: lessons/exercises/01_global_val_loss.py
+# What would state the answer before it is graded (tests/exercises/test_exercises_ask.py): that each rank's
+# sum and count are what goes into the collective (one tensor, one all-reduce), and the division after it.
+GIVEAWAYS = ("sum and a count fit in one", "one collective carries both", "sum and count over all ranks",
+             "all-reduce the sum and the count", "all-reduce the sums and the counts", "total sum over the total count")
 
 
 N_WINDOWS = 47  # the exercise's own setting (part of its harness, which check.grade compares)
-# float32 window losses summed in another order are ~1e-7 apart; a per-rank mean is ~1e-3 off. Measured
-# in one process on the rank's shards: the solution's global mean 1.4e-7 (2 ranks) and 6.1e-8 (3 ranks)
-# from the grader's value, the mean of the per-rank means 8.3e-5 and 6.4e-5.
+# float32 window losses summed in another order are ~1e-7 apart; the classic mistakes are ~1e-4 off or
+# more. Measured in one process on the ranks' shards: the solution's global mean 1.4e-7 (2 ranks) and
+# 6.1e-8 (3 ranks) from the grader's value, the mean of the per-rank means 8.3e-5 and 6.4e-5, a rank's
+# own mean 1.3e-3 to 4.2e-3.
 TOLERANCE = 1e-6
 
 

@@ -1,0 +1,40 @@
+"""Lesson 01: what the notebook prints about MiniGPT adds up (its jobs are checked by the notebook run and
+by tests/exercises/test_exercise_01.py)."""
+
+from __future__ import annotations
+
+import json
+import re
+
+from harness import ROOT
+
+
+def _output(notebook: str, marker: str) -> str:
+    """The printed output of the one code cell of ``solutions/<notebook>`` that contains ``marker``."""
+    cells = json.loads((ROOT / "solutions" / notebook).read_text(encoding="utf-8"))["cells"]
+    found = [c for c in cells if c["cell_type"] == "code" and marker in "".join(c["source"])]
+    assert len(found) == 1, f"{len(found)} cells of {notebook} contain {marker!r}"
+    return "".join("".join(o.get("text", [])) for o in found[0]["outputs"])
+
+
+def _number(pattern: str, text: str) -> int:
+    m = re.search(pattern, text)
+    assert m, f"{pattern!r} not in the cell's output:\n{text}"
+    return int(m.group(1).replace(",", ""))
+
+
+def test_the_flops_label_names_the_terms_of_the_printed_figure():
+    """The FLOPs per token lesson 01 prints are the sum its label names, with figures: 6 x the weights it
+    counts (the printed total less the position table, a lookup) + 12·L·T·C for attention. The label used
+    to read "(6 per weight + attention)" beside the total of 413,312 parameters, and 6 x 413,312 + the
+    attention term is 49,152 more than the figure printed (model.flops_per_token leaves the 8,192
+    position-table weights out)."""
+    out = _output("01_minigpt.ipynb", "model.flops_per_token()")
+    flops = _number(r"training FLOPs per token ≈ ([\d,]+)", out)
+    weights = _number(r"= 6 × ([\d,]+) weights", out)
+    attention = _number(r"12·L·T·C = ([\d,]+)", out)
+    total = _number(r"total \(tied matrix once\)\s+([\d,]+)", out)
+    position = _number(r"position embedding\s+([\d,]+)", out)
+    assert "all but the position table" in out
+    assert weights == total - position
+    assert flops == 6 * weights + attention
