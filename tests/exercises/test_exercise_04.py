@@ -103,3 +103,21 @@ def _broken(tmp_path: Path, old: str, new: str, name: str) -> Path:
     path = tmp_path / name
     path.write_text(src.replace(old, new))
     return path
+
+
+@pytest.mark.parametrize("function, body, course", [
+    ("mean_over_ranks", "    from ddp_course.course.l04_ddp.ddp_recipe import mean_over_ranks as m\n"
+                        "    return m(loss, world_size)\n", "ddp_course.course.l04_ddp.ddp_recipe.mean_over_ranks"),
+    ("setup", "    from ddp_course.dist import setup as s\n    return s()\n", "ddp_course.dist.setup"),
+])
+def test_an_answer_that_calls_the_course_version_is_refused_before_any_job(function, body, course, tmp_path):
+    """The recipe's mean_over_ranks and the course's setup are the course's versions of two TODOs (the
+    grader's DELEGATES): a script complete but for one of them calling it is refused before a job starts,
+    and the verdict names it. The script no longer imports the module that holds them (convert_kit
+    instead of ddp_recipe and ddp_course.dist)."""
+    from ddp_course import check
+
+    verdict = check.grade("04", exercise_attempt(tmp_path, NAME, function, body))
+    assert not verdict.ok and f"{function}() hands its work to the course's own version, {course}" in verdict.message
+    shipped = (ROOT / "lessons" / "exercises" / NAME).read_text()
+    assert "ddp_recipe" not in shipped and "ddp_course.dist" not in shipped and "convert_kit import" in shipped

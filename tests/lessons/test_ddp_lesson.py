@@ -216,6 +216,31 @@ def test_recipe_refuses_unknown_options_and_variants():
         parse(["--variants=recipe,nosampler"])
 
 
+# --- section 6: one AdamW step -------------------------------------------------------------------------
+
+def test_adamw_first_step_measures_the_recipe_weight_decay_apart_from_the_gradient_step():
+    """Lesson 04's table of AdamW's first step is the gradient's part (weight decay 0), and the recipe's
+    AdamW has a decay (PyTorch's default 0.01): ``first_step`` measures what that decay adds, lr x wd x
+    |w| (a weight that is zero does not move). It used to take the step without decay only, and the lesson
+    never said so."""
+    from ddp_course.course.l04_ddp import adamw_step, ddp_recipe
+
+    torch.manual_seed(0)
+    probe = ddp_recipe.build_model(65, 0, block_size=16, n_layer=1, n_head=2, n_embd=32)
+    tokens = torch.randint(65, (4, 17))
+    probe(tokens[:, :-1], tokens[:, 1:])[1].backward()
+    lr = 3e-3
+    first = adamw_step.first_step(probe, lr, weight_decay=ddp_recipe.ADAMW_WEIGHT_DECAY)
+    assert ddp_recipe.ADAMW_WEIGHT_DECAY == torch.optim.AdamW([torch.zeros(1)]).defaults["weight_decay"]
+    assert adamw_step.worst_formula_error(first) < 1e-3  # the step column is still the gradient's part alone
+    want = lr * first["weight_decay"] * first["weight"]
+    assert (first["decay"] - want).abs().max() <= 2.4e-7 * (first["weight"] + first["step"]).max()
+    assert first["decay"][first["weight"] == 0].abs().max() == 0 and first["decay"].max() > 0
+    rows = adamw_step.by_decade(first)
+    assert all("decay_over_lr" in r and "decay_exceeds" in r for r in rows)
+    assert "decay / lr" in adamw_step.format_rows(rows)
+
+
 # --- exercise 04 and its grader ---------------------------------------------------------------------
 
 def test_learner_copy_is_the_solution_with_todos():

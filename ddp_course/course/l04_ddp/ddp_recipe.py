@@ -36,7 +36,8 @@ The rest of the course gets steps 1-3 from ``ddp_course.dist.setup`` and the loo
 
 Rank 0 writes ``<out_dir>/<variant>/result.json`` (per-step losses, the windows every rank saw,
 the validation loss, how far the replicas are apart) and ``<out_dir>/<variant>/final.pt`` (the
-state dict of the unwrapped model). ``--help`` lists the options.
+state dict of the unwrapped model). ``--help`` lists the options. The data and the model come from
+``convert_kit``, which exercise 04 shares.
 """
 
 from __future__ import annotations
@@ -54,16 +55,20 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.nn.utils import parameters_to_vector
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import DataLoader, DistributedSampler
 
 from ddp_course.cli import FlagError, command, parse_flags
-from ddp_course.data import TokenWindows, prepare, stream_offsets
+from ddp_course.course.l04_ddp.convert_kit import build_model, small_data
+from ddp_course.data import stream_offsets
 from ddp_course.dist import clean_exit, cpu_count
 from ddp_course.metrics import write_json
-from ddp_course.model import GPTConfig, MiniGPT
+from ddp_course.model import MiniGPT
 from ddp_course.paths import show
 
 PROG = "python -m ddp_course.course.l04_ddp.ddp_recipe"
+# The adamw variant's weight decay: torch.optim.AdamW's default (torch/optim/adamw.py), written out because
+# lesson 04 measures what it moves (adamw_step.first_step).
+ADAMW_WEIGHT_DECAY = 1e-2
 DEFAULTS: dict[str, Any] = {
     "out_dir": "runs/ddp_recipe",  # one folder per variant is written inside
     "variants": "recipe",  # comma-separated, from VARIANTS
@@ -106,39 +111,6 @@ VARIANTS = {
     "no_broadcast": Variant("sampler", wrap="manual", seed_per_rank=True, broadcast=False),
     "adamw": Variant("sampler", optimizer="adamw"),
 }
-
-
-# --- the pieces the recipe shares with exercise 04 and its grader ---------------------------------------
-
-class IndexedWindows(Dataset):
-    """``TokenWindows`` that also return the window's index, so that a run can record which windows
-    each rank trained on (the lesson shows them; the recipe does not need them)."""
-
-    def __init__(self, windows: TokenWindows, n: int):
-        if n > len(windows):
-            raise ValueError(f"asked for {n} windows but the split has only {len(windows)}")
-        self.windows, self.n = windows, n
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, i: int) -> tuple[int, torch.Tensor, torch.Tensor]:
-        x, y = self.windows[i]
-        return i, x, y
-
-
-def small_data(corpus: str, block_size: int, train_windows: int, val_windows: int):
-    """(train, val, vocab_size): the first windows of the corpus' train and validation splits."""
-    data = prepare(corpus, block_size, val_fraction=0.1, announce=lambda m: print(m, flush=True))
-    return (IndexedWindows(data.train, train_windows), IndexedWindows(data.val, val_windows),
-            data.tokenizer.vocab_size)
-
-
-def build_model(vocab_size: int, seed: int, *, block_size: int, n_layer: int, n_head: int, n_embd: int) -> MiniGPT:
-    """A MiniGPT initialised from ``seed``: the same seed gives the same weights in every process."""
-    torch.manual_seed(seed)
-    return MiniGPT(GPTConfig(vocab_size=vocab_size, block_size=block_size, n_layer=n_layer, n_head=n_head,
-                             n_embd=n_embd))
 
 
 # --- small collectives the lab uses to look at the replicas ---------------------------------------------
@@ -191,7 +163,7 @@ def train_variant(name: str, opts: dict[str, Any], ctx: dict[str, Any], train_ds
     raw = model.module if isinstance(model, DDP) else model  # 9. the plain model, for saving and sampling
     start_spread = replica_spread(raw, world_size)
     if spec.optimizer == "adamw":
-        optimizer = torch.optim.AdamW(model.parameters(), lr=opts["adamw_lr"])
+        optimizer = torch.optim.AdamW(model.parameters(), lr=opts["adamw_lr"], weight_decay=ADAMW_WEIGHT_DECAY)
     else:
         optimizer = torch.optim.SGD(model.parameters(), lr=opts["lr"], momentum=0.9)
     key_bias = watch_key_biases(raw, optimizer) if spec.optimizer == "adamw" else None  # for section 6, not the recipe

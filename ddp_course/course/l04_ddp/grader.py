@@ -1,7 +1,7 @@
 """Grader of exercise 04 (``lessons/exercises/04_ddp_convert.py``): a single-process script made DDP.
 
 The script runs for real with torchrun on 2 processes. The reference is the course's DDP recipe lab
-(``ddp_course.course.l04_ddp.ddp_recipe``) run as ONE process, without a process group, on the concatenated
+(``ddp_course.course.l04_ddp.ddp_recipe``, whose data and model the script takes from ``convert_kit``) run as ONE process, without a process group, on the concatenated
 batch (2 x the script's per-process batch), with the script's own settings. The final parameters
 must agree within ``PARAM_ATOL``; before that, the grader looks at what each rank trained on and at
 the replicas, so that a wrong script is told *why* it is wrong. Then the losses every rank logged
@@ -21,6 +21,15 @@ from ddp_course.check import Verdict, last_lines, run_exercise
 EXERCISE = "04_ddp_convert.py"  # the script this grades: lessons/exercises/04_ddp_convert.py
 
 NPROC = 2
+# The course's own versions of what the script's TODOs ask for: an answer that calls them is refused.
+DELEGATES = ("ddp_course.course.l04_ddp.ddp_recipe.mean_over_ranks", "ddp_course.dist.setup")
+# The recipe's own lines for the TODOs (lesson 04 prints its source after the grading cell): shown before
+# it, they would be the answer to copy.
+GIVEAWAYS = ('local_rank = int(os.environ.get("LOCAL_RANK", 0))',
+             "torch.cuda.set_device(device)  # before init_process_group",
+             "DistributedSampler(train_ds, num_replicas=world_size, rank=rank, shuffle=True",
+             "sampler.set_epoch(epoch)  # a new permutation", "torch.save(raw.state_dict()",
+             "model = DDP(model, device_ids=", "t = value.detach().clone()")
 # The settings the exercise invites the learner to change ("Changing these is fine": the grader reads
 # them from the RESULT lines); check.grade lets them take other literal values of the same kind.
 EDITABLE = ("STEPS", "MICRO_BATCH", "LR", "SEED", "SHAPE", "TRAIN_WINDOWS", "VAL_WINDOWS")
@@ -68,7 +77,10 @@ def _reference(cfg: dict, device: str, timeout: float) -> tuple[dict[str, torch.
     flags["micro_batch_size"] = cfg["micro_batch_size"] * NPROC
     flags["device"] = "cuda" if device.startswith("cuda") else "cpu"
     corpus = load_corpus("tinyshakespeare", announce=lambda msg: None).text  # what the runs will read
+    from ddp_course.course.l04_ddp import convert_kit
+
     key = hashlib.sha256(json.dumps([flags, torch.__version__, Path(ddp_recipe.__file__).read_text(),
+                                     Path(convert_kit.__file__).read_text(),
                                      hashlib.sha256(corpus.encode()).hexdigest(), CACHE_FORMAT],
                                     sort_keys=True).encode())
     key = key.hexdigest()[:16]

@@ -56,12 +56,12 @@ def worker(rank: int, world_size: int, port: int, out_dir: str, timeout_s: float
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=timeout_s))  # by design: CPU with gloo (CPU_BY_DESIGN)
     try:
-        t = torch.tensor([float(rank)])
-        dist.all_reduce(t, op=dist.ReduceOp.SUM)  # 0 + 1 + ... + (W-1) on every rank
-        report = {"rank": rank, "world_size": dist.get_world_size(), "pid": os.getpid(), "all_reduce_sum": t.item(),
+        ranks_sum = torch.tensor([float(rank)])
+        dist.all_reduce(ranks_sum, op=dist.ReduceOp.SUM)  # 0 + 1 + ... + (W-1) on every rank
+        report = {"rank": rank, "world_size": dist.get_world_size(), "pid": os.getpid(), "all_reduce_sum": ranks_sum.item(),
                   "env": {k: os.environ.get(k) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")}}
         write_json(Path(out_dir) / f"spawn_rank{rank}.json", report)
-        print(f"[rank {rank}] pid {os.getpid()}: all_reduce of the ranks = {t.item():.0f}", flush=True)
+        print(f"[rank {rank}] pid {os.getpid()}: all_reduce of the ranks = {ranks_sum.item():.0f}", flush=True)
     finally:
         dist.destroy_process_group()
 
