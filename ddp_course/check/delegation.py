@@ -1,8 +1,8 @@
 """An answer that hands its work to the course's own version of it is not an answer.
 
 The course keeps its own versions of what some exercises ask for, for the lessons' demonstrations
-(lesson 14's ``experts.dispatch``, lesson 06's ``no_sync_lab.accumulate``, the 2-D plan in
-``parallel/``). An exercise does not import those modules (``tests/exercises/test_exercises_ask.py``
+(``experts.dispatch`` of the lesson on experts, ``no_sync_lab.accumulate`` of the one on accumulation,
+the 2-D plan in ``parallel/``). An exercise does not import those modules (``tests/exercises/test_exercises_ask.py``
 holds every exercise to it), but a learner can still reach them. :func:`delegation` reads the answer
 functions of a learner's script, resolves every name they use that comes from the course (through the
 script's imports, imports inside the function, attribute chains such as ``R.merge``) to the object it

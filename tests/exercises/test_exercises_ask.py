@@ -41,9 +41,10 @@ NOTEBOOK_GIVEAWAYS: dict[str, tuple[str, ...]] = {
     "01_causal_attention": ("masked_fill(mask", "softmax(att"),
     "03_my_reduce": ("reduce_gradients(replicas)",),
     "07_amp_step": ("unscale_ before clipping", "clip after `unscale_`"),
-    "12_answer_a": ("gave up in all_reduce", "gave up in barrier"),
-    "12_answer_b": ("written for a 4-gpu machine",),
-    "12_answer_c": ("the same data seed on every rank",),
+    "12_answer_a": ("gave up in all_reduce", "gave up in barrier", "optype=allreduce", "optype=barrier", "in_collective"),
+    "12_answer_b": ("written for a 4-gpu machine", "4-gpu", "world_size=4", "asked_world_size"),
+    "12_answer_c": ("the same data seed on every rank", "same_seed", "first batch windows",
+                    "of rank 1's windows were also rank 0's"),
 }
 
 
