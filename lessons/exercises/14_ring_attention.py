@@ -2,13 +2,15 @@
 
 Each rank holds its chunks of the sequence (queries, keys and values); the keys and values travel
 round the ring, and every rank turns each block of keys it holds into attention for its own queries.
-The loop is given (``ring.ring_forward``, the lesson's); complete the three functions it calls:
+The loop is given (``ring_loop.ring_forward``: for every block it computes, it takes the block's
+log-sum-exp of the scores and its softmax-weighted values, then calls your ``merge``); complete the
+three functions it calls:
 
 - ``pass_on(t, send_to, recv_from)``: send ``t`` to rank ``send_to`` and return the tensor of the same
   shape that rank ``recv_from`` sends to this one -- every rank of the ring does this at once;
 - ``block_scores(q, k, qpos, kpos)``: one block of attention scores, q (B, H, cq, D) against k
-  (B, H, ck, D), scaled by 1/sqrt(D), with -inf wherever a key comes after its query; ``qpos`` (cq,)
-  and ``kpos`` (ck,) are the tokens' positions in the whole sequence;
+  (B, H, ck, D), scaled by 1/sqrt(D), causal: a query sees only the keys at or before its position;
+  ``qpos`` (cq,) and ``kpos`` (ck,) are the tokens' positions in the whole sequence;
 - ``merge(out, lse, out_blk, lse_blk)``: the running output and log-sum-exp of the scores so far, and
   one more block's (its own softmax-weighted values and log-sum-exp) -> the output and log-sum-exp
   over all of them. Before the first block, ``lse`` is -inf and ``out`` zero.
@@ -18,9 +20,10 @@ Run it (from the repository root):
     torchrun --standalone --nproc_per_node=4 lessons/exercises/14_ring_attention.py
 
 The harness below runs your functions on rings of 2 and of 4 ranks, with both layouts of the lesson
-(plain and zigzag), compares each rank's output with one process's
-``scaled_dot_product_attention(is_causal=True)``, and prints PASS or FAIL on every rank. The course's
-grader runs it the same way and names what went wrong:
+(plain and zigzag), in float64, and compares each rank's output with one process's
+``scaled_dot_product_attention(is_causal=True)``; then once more in float32, with scores in the
+hundreds. It prints PASS or FAIL on every rank. The course's grader runs it the same way and names
+what went wrong:
 
     python -m ddp_course check 14 lessons/exercises/14_ring_attention.py
 """
@@ -38,20 +41,20 @@ from ddp_course.dist import setup
 
 def pass_on(t: torch.Tensor, send_to: int, recv_from: int) -> torch.Tensor:
     """Send ``t`` to ``send_to``; return what ``recv_from`` sent (the same shape and dtype)."""
-    # TODO: every rank sends and receives at the same moment: post both without waiting (dist.isend, dist.irecv), then wait for both
+    # TODO: send t to send_to and return what recv_from sends, with every rank of the ring doing the same at once
     raise NotImplementedError("exercise: complete this part")
 
 
 def block_scores(q: torch.Tensor, k: torch.Tensor, qpos: torch.Tensor, kpos: torch.Tensor) -> torch.Tensor:
     """Scores (B, H, cq, ck) of queries at positions ``qpos`` against keys at ``kpos``, causal."""
-    # TODO: q @ k^T / sqrt(D), then -inf where the key's position in the sequence is after the query's
+    # TODO: this block's scaled scores, causal by the tokens' positions in the whole sequence
     raise NotImplementedError("exercise: complete this part")
 
 
 def merge(out: torch.Tensor, lse: torch.Tensor, out_blk: torch.Tensor, lse_blk: torch.Tensor
           ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) over the blocks so far and one more -> (out, lse) over all of them."""
-    # TODO: the new log-sum-exp is logaddexp of the two; each output was normalised by its own sum, so weight it by exp(its lse - the new lse)
+    # TODO: the softmax over all the blocks so far: its weighted values and its log-sum-exp, for scores of any size
     raise NotImplementedError("exercise: complete this part")
 
 

@@ -1,6 +1,6 @@
 """Exercise 14, second part -- expert dispatch: send every token to its expert's rank, and bring it home.
 
-The mixture-of-experts MiniGPT of the lesson (``experts.moe_gpt``: 8 experts per block, top-2 routing, a
+The mixture-of-experts MiniGPT of the lesson (``experts_base.moe_gpt``: 8 experts per block, top-2 routing, a
 capacity below the load so that slots drop) is spread over 4 ranks: rank q keeps experts ``2q`` and
 ``2q + 1`` of every block, and every rank routes its own quarter of the global batch. The routing, the
 capacity and the experts are given; the exchanges are yours. Complete the three functions below:
@@ -13,8 +13,9 @@ capacity and the experts are given; the exchanges are yours. Complete the three 
 - ``combine``: the reverse -- undo the regroup, send every row back to the rank it came from, put each
   row back at its token-slot's position (the slots were sorted by expert), weight it by its gate and add
   each token's two slots;
-- ``sync_gradients``: after backward, the gradient one process would have: replicated parameters
-  averaged over the ranks, each expert's divided by the number of ranks and nothing else.
+- ``sync_gradients``: after backward, make every gradient this rank holds the one a single process
+  would have for the whole global batch's loss (the mean of the ranks' losses): the replicated
+  parameters' (every rank holds a copy) and the experts' (each lives on one rank).
 
 Run it (from the repository root):
 
@@ -35,7 +36,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ddp_course.course.l14_sequences_and_experts.experts import AllToAll, Exchange, expert_parameters
+from ddp_course.course.l14_sequences_and_experts.experts_base import AllToAll, Exchange, expert_parameters
 from ddp_course.course.l14_sequences_and_experts.experts_harness import report, run_side_by_side
 from ddp_course.dist import setup
 
@@ -54,7 +55,7 @@ def dispatch(slots: torch.Tensor, counts: torch.Tensor, group=None) -> tuple[tor
     ``Exchange(send_splits, recv_splits, from_rank, regroup)``: ``from_rank`` a (p, E/p) tensor, the rows received
     from each rank for each local expert (the harness reads it), the rest whatever ``combine`` needs.
     """
-    # BEGIN SOLUTION hint: counts first (all_to_all_single), then the rows: uneven splits, with a backward; regroup
+    # BEGIN SOLUTION hint: the rows this rank's experts must process, grouped by local expert, and the Exchange combine needs
     p = dist.get_world_size(group)
     local = counts.numel() // p  # experts per rank
     incoming = torch.empty_like(counts)
@@ -79,7 +80,7 @@ def combine(outputs: torch.Tensor, ex: Exchange, order: torch.Tensor, gate: torc
     token_slots[order]``) and ``gate`` (N, k) this rank's gates, N tokens of k slots each (S = N k).
     Out: (N, C), each token's gate-weighted sum of its k slots' outputs.
     """
-    # BEGIN SOLUTION hint: undo the regroup, send rows back (splits swapped), row i to slot order[i], gate, sum
+    # BEGIN SOLUTION hint: each of this rank's tokens: the gate-weighted sum of its slots' expert outputs
     arrivals = torch.zeros_like(outputs).index_copy(0, ex.regroup, outputs)  # back to (source rank, expert)
     mine = AllToAll.apply(arrivals, ex.recv_splits, ex.send_splits, group, None, "combine")
     by_slot = torch.zeros_like(mine).index_copy(0, order, mine)  # row i belongs to slot order[i]
@@ -92,7 +93,7 @@ def sync_gradients(model: nn.Module, group=None) -> None:
     """After backward of this rank's loss (the mean over its tokens): every gradient equal to one process's
     gradient of the global batch's loss. ``expert_parameters(model)`` gives the ``id`` of each parameter
     that lives on this rank only."""
-    # BEGIN SOLUTION hint: replicated: all-reduce, then divide by the world size; experts: divide by the world size only
+    # BEGIN SOLUTION hint: every gradient one process's gradient of the global batch's loss
     p = dist.get_world_size(group)
     local = expert_parameters(model)
     for w in model.parameters():

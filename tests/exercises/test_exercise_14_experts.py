@@ -1,13 +1,16 @@
-"""Exercise 14's second part (expert dispatch): the grader accepts the solution and rejects the classic
-mistakes of expert parallelism by hand, naming each.
+"""Exercise 14's second part (expert dispatch): the grader accepts the solution, and a right answer written
+another way, and rejects the classic mistakes of expert parallelism by hand, naming each.
 
 Every wrong attempt is the answered solution with one function's body replaced by what a learner would
-write. Three real 4-rank jobs: the answered solution (lesson 14's grading cell's verdict when it graded
-the same bytes), and, side by side, the receive splits taken equal to the send splits (gloo aborts; the
-grader reads its words, which only a job can test) and a combine without the un-sort (named by the grader's
-simulation of the 4 ranks nearest to the losses the job measured). The other mistakes are judged on what
-real jobs of those attempts measured, kept below (``RECORDED``), or on the solution's own records changed
-exactly as the mistake changes them (a gradient times 4 is exact in floating point).
+write. Real 4-rank jobs: the answered solution (lesson 14's grading cell's verdict when it graded the same
+bytes), and, two at a time, the receive splits taken equal to the send splits and the splits passed in each
+other's place (the harness checks every all_to_all_single's splits across the ranks before it runs and
+names which disagree, by how many rows), a combine that never sends the rows back (named by the harness,
+where PyTorch says only "index_copy_(): Number of indices ..."), a combine without the un-sort (named by
+the grader's simulation of the 4 ranks nearest to the losses the job measured), and the three functions
+written another way (accepted). The other mistakes are judged on what real jobs of those attempts
+measured, kept below (``RECORDED``), or on the solution's own records changed exactly as the mistake
+changes them (a gradient times 4 is exact in floating point).
 """
 
 from __future__ import annotations
@@ -15,10 +18,11 @@ from __future__ import annotations
 import copy
 
 import pytest
-from harness import exercise_attempt, grade_in_pairs, graded_solution
+from harness import answered_exercise, exercise_attempt, grade_in_pairs, graded_solution
 
 from ddp_course import check
 from ddp_course.course.l14_sequences_and_experts import grader_experts as grader
+from ddp_course.course.l14_sequences_and_experts.experts_harness import split_problem
 
 NAME = "14_expert_dispatch.py"
 
@@ -66,31 +70,125 @@ COMBINE_WITHOUT_UNSORT = '''    arrivals = torch.zeros_like(outputs).index_copy(
     n_tokens, k = gate.shape
     return (mine.view(n_tokens, k, -1) * gate.unsqueeze(-1)).sum(1)
 '''
+DISPATCH_SPLITS_SWAPPED = '''    import torch.distributed.nn.functional as dnn
+
+    p = dist.get_world_size(group)
+    local = counts.numel() // p
+    incoming = torch.empty_like(counts)
+    dist.all_to_all_single(incoming, counts, group=group)
+    from_rank = incoming.view(p, local)
+    send_splits = counts.view(p, local).sum(1).tolist()
+    recv_splits = from_rank.sum(1).tolist()
+    out = slots.new_empty(sum(recv_splits), slots.shape[1])
+    arrivals = dnn.all_to_all_single(out, slots, send_splits, recv_splits)
+    which = torch.arange(local).repeat(p).repeat_interleave(from_rank.flatten())
+    regroup = torch.argsort(which, stable=True)
+    return arrivals[regroup], Exchange(send_splits, recv_splits, from_rank, regroup)
+'''
+COMBINE_NOT_SENT_BACK = '''    arrivals = torch.zeros_like(outputs).index_copy(0, ex.regroup, outputs)
+    by_slot = torch.zeros(order.numel(), outputs.shape[1], dtype=outputs.dtype).index_copy(0, order, arrivals)
+    n_tokens, k = gate.shape
+    return (by_slot.view(n_tokens, k, -1) * gate.unsqueeze(-1)).sum(1)
+'''
 MISTAKES = {
-    # (a) the receive splits taken equal to the send splits: gloo aborts on the first pair that disagrees
+    # (a) the receive splits taken equal to the send splits: the ranks' splits disagree (gloo would abort)
     "splits not exchanged": ("dispatch", DISPATCH_WITHOUT_COUNTS,
-                             ("the receive splits were not exchanged first", "Exchange the per-expert counts first",
-                              "Received data size doesn't match expected size")),
-    # (b) the rows come home in expert order and stay so: every token gets another slot's output
+                             ("all_to_all_single in dispatch (its call 1 there): the ranks' splits disagree: rank 0 "
+                              "sends", "which expects", "Exchange the per-expert counts first", "Its row sums, one per source rank")),
+    # (b) the splits passed in each other's place (PyTorch alone says "Split sizes doesn't match total dim 0 size")
+    "splits swapped": ("dispatch", DISPATCH_SPLITS_SWAPPED,
+                       ("all_to_all_single in dispatch (its call 2 there): rank 0's output_split_sizes [",
+                        "but its output tensor has", "takes the rows a rank receives from each rank, then the rows it "
+                        "sends", "Passed in each other's place they do not")),
+    # (c) the rows come home in expert order and stay so: every token gets another slot's output
     "no un-sort": ("combine", COMBINE_WITHOUT_UNSORT,
                    ("leaves them in expert order, not at their tokens' positions",
                     "row i belongs to token-slot order[i]", "from the grader's simulation of this mistake")),
+    # (d) the experts' outputs put at this rank's slots without the reverse exchange: index_copy_ fails
+    "not sent back": ("combine", COMBINE_NOT_SENT_BACK,
+                      ("ranks 0, 1, 2 and 3 raised ValueError: combine sent nothing back: it made no "
+                       "all_to_all_single", "(hence its IndexError)",
+                       "with a second all_to_all (the dispatch's splits swapped)", "in the order it sent them")),
+}
+# the three functions written another way: torch.distributed.nn.functional's exchange, argsort for the
+# inverse permutations, einsum for the gates, one flat all-reduce for the replicated gradients
+ANOTHER_WAY = {
+    "dispatch": '''    import torch.distributed.nn.functional as dnn
+
+    p = dist.get_world_size(group)
+    per_rank = counts.numel() // p
+    incoming = counts.new_empty(counts.shape)
+    dist.all_to_all_single(incoming, counts, group=group)
+    from_rank = incoming.reshape(p, per_rank)
+    send = [int(n) for n in counts.reshape(p, per_rank).sum(dim=1)]
+    recv = [int(n) for n in from_rank.sum(dim=1)]
+    arrivals = dnn.all_to_all_single(slots.new_empty(sum(recv), slots.shape[1]), slots, recv, send,
+                                     group=group or dist.group.WORLD)
+    expert_of = torch.cat([torch.arange(per_rank).repeat_interleave(row) for row in from_rank])
+    regroup = torch.sort(expert_of, stable=True).indices
+    return arrivals[regroup], Exchange(send, recv, from_rank, regroup)
+''',
+    "combine": '''    import torch.distributed.nn.functional as dnn
+
+    back = dnn.all_to_all_single(outputs.new_empty(sum(ex.send_splits), outputs.shape[1]),
+                                 outputs[torch.argsort(ex.regroup)], ex.send_splits, ex.recv_splits,
+                                 group=group or dist.group.WORLD)
+    n_tokens, k = gate.shape
+    return torch.einsum("nkc,nk->nc", back[torch.argsort(order)].view(n_tokens, k, -1), gate)
+''',
+    "sync_gradients": '''    p = dist.get_world_size(group)
+    local = expert_parameters(model)
+    shared = [w for w in model.parameters() if id(w) not in local and w.grad is not None]
+    flat = torch.cat([w.grad.flatten() for w in shared])
+    dist.all_reduce(flat, group=group)
+    for w, g in zip(shared, flat.split([w.numel() for w in shared])):
+        w.grad.copy_(g.view_as(w) / p)
+    for w in model.parameters():
+        if id(w) in local and w.grad is not None:
+            w.grad.div_(p)
+''',
 }
 
 
-@pytest.mark.timeout(240)
-def test_mistakes_in_the_exchanges_are_rejected_and_named(tmp_path):
+@pytest.mark.timeout(420)
+def test_mistakes_in_the_exchanges_are_rejected_and_named_and_another_right_answer_passes(tmp_path):
+    """Guards the harness's check of every exchange's splits and of a combine that sends nothing back: before
+    it, gloo aborted the job on the first pair of ranks that disagreed, PyTorch said only "Split sizes doesn't
+    match total dim 0 size", and a combine without its exchange ended in index_copy_'s IndexError -- none of
+    them said which splits disagree, nor that the rows must go home first."""
     folders = [tmp_path / str(i) for i in range(len(MISTAKES))]
     for folder in folders:
         folder.mkdir()
     attempts = {name: exercise_attempt(folder, NAME, function, body)
                 for folder, (name, (function, body, _)) in zip(folders, MISTAKES.items())}
+    source = answered_exercise(NAME)
+    for function, body in ANOTHER_WAY.items():
+        source = check.replace_function_body(source, function, body)
+    (tmp_path / "another_way").mkdir()
+    attempts["another way"] = tmp_path / "another_way" / NAME
+    attempts["another way"].write_text(source, encoding="utf-8")
     verdicts = grade_in_pairs(lambda path: check.grade("14_expert_dispatch", path), attempts)
     for name, (_, _, words) in MISTAKES.items():
         v = verdicts[name]
         assert not v.ok, name
         for w in words:
             assert w in v.message, (name, w, v.message)
+    assert verdicts["another way"].ok, verdicts["another way"].message
+
+
+def test_the_splits_check_names_which_splits_disagree():
+    """The harness's check of one all_to_all_single's splits (each rank: output rows, input rows, then the
+    length and entries of its output splits and of its input splits), on made-up splits of 2 ranks."""
+    def rank(out_rows, in_rows, outs, ins):
+        return [out_rows, in_rows, len(outs), *(outs + [0, 0])[:2], len(ins), *(ins + [0, 0])[:2]]
+
+    assert split_problem([rank(5, 4, [2, 3], [2, 2]), rank(4, 5, [2, 2], [3, 2])], 2) is None
+    crossed = split_problem([rank(5, 4, [2, 3], [2, 2]), rank(5, 5, [3, 2], [3, 2])], 2)  # rank 1 expects 3, not 2
+    assert "the ranks' splits disagree: rank 0 sends 2 rows to rank 1, which expects 3 from it." in crossed
+    swapped = split_problem([rank(5, 4, [2, 2], [2, 3]), rank(4, 5, [2, 2], [3, 2])], 2)
+    assert "rank 0's output_split_sizes [2, 2] add up to 4 rows, but its output tensor has 5" in swapped
+    short = split_problem([rank(5, 4, [2, 3, 0], [2, 2]), rank(4, 5, [2, 2], [3, 2])], 2)
+    assert "rank 0 passed output_split_sizes with 3 entries; it takes one per rank (2)" in short
 
 
 # --- the other mistakes, on what real jobs of them measured ------------------------------------------------------
@@ -187,10 +285,33 @@ def test_replicated_gradients_summed_are_named(solution):
     assert "summed over the ranks, not averaged" in (grader.shared_gradient_problem(summed, refs) or "")
 
 
-def test_gloo_s_words_for_uneven_splits_are_explained():
+def test_gloo_s_and_pytorch_s_words_for_uneven_splits_are_explained():
+    """When a call escapes the harness's check (all_to_all_single bound to a name before the job), the hint still
+    explains PyTorch's and gloo's words: which split list must add up to which tensor, what gloo's size mismatch
+    means, and an index_copy_ in combine over rows that were never sent back."""
+    swapped = grader.hint("RuntimeError: Split sizes doesn't match total dim 0 size")
+    assert "output_split_sizes, the third argument" in swapped and "input_split_sizes, the fourth" in swapped
+    assert "checkSplitSizes in torch/csrc/distributed/c10d/Utils.hpp" in swapped
     assert "receive splits were not exchanged first" in grader.hint(
-        "RuntimeError: Split sizes doesn't match total dim 0 size")
+        "gloo::EnforceNotMet ... 24 vs 16. Received data size doesn't match expected size.")
+    never = grader.hint('  File "x.py", line 80, in combine\n    by_slot = z.index_copy(0, order, arrivals)\n'
+                        "IndexError: index_copy_(): Number of indices (128) should be equal to source.size(dim) (131)")
+    assert "without sending them back first" in never and "an all_to_all with the dispatch's splits swapped" in never
     said = grader.hint("RuntimeError: ProcessGroupGloo::scatter: invalid tensor size at index 1 (expected (36, 32), "
                        "got (31, 32))\n  File \"x.py\", line 66, in dispatch\n    got = dnn.all_to_all(outs, ins)")
     assert "carries tensors of one size only" in said and "all_to_all_single" in said
     assert grader.hint("RuntimeError: something else") == ""
+
+
+def test_an_answer_that_calls_the_lesson_s_dispatch_is_refused_before_any_job(tmp_path, monkeypatch):
+    """The lesson's expert parallelism (``experts.dispatch``, ``combine``, ``sync_gradients``) is not in what the
+    exercise imports, but a learner can import it: the grader refuses it, without starting a job."""
+    import ddp_course.launch
+
+    monkeypatch.setattr(ddp_course.launch, "run", lambda *a, **k: pytest.fail("a job was started"))
+    body = ("    from ddp_course.course.l14_sequences_and_experts import experts\n"
+            "    experts.sync_gradients(model, group)\n")
+    path = tmp_path / NAME
+    path.write_text(check.replace_function_body(answered_exercise(NAME), "sync_gradients", body), encoding="utf-8")
+    verdict = check.grade("14_expert_dispatch", path)
+    assert not verdict.ok and "sync_gradients() hands its work to the course's own version" in verdict.message

@@ -21,10 +21,16 @@ the exchanges, the capacity, the way back) right and with each classic mistake, 
 
 each mistake named by the explanation nearest to what the job measured, by ``check.MARGIN``
 (``check.nearest``). Any correct spelling passes: the judgement is on numbers, not on code.
+
+A job that fails names its mistake too: the harness checks the splits of every ``all_to_all_single``
+before it runs (``experts_harness.CheckedExchanges``: which rank's input and output splits disagree, and
+by how many rows) and names a combine that sends nothing back (``ExerciseMoE.bring_back``); :func:`hint`
+explains PyTorch's and gloo's own words when a call escaped the check.
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +38,17 @@ from ddp_course.check import Verdict, judged, nearest, run_exercise
 
 EXERCISE = "14_expert_dispatch.py"  # the script this grades: lessons/exercises/14_expert_dispatch.py
 NPROC = 4
+_L14 = "ddp_course.course.l14_sequences_and_experts"
+# The course's own versions of the three answers (the lesson's expert-parallel layer): an answer that calls
+# them is refused (check.delegation).
+DELEGATES = (f"{_L14}.experts.dispatch", f"{_L14}.experts.combine", f"{_L14}.experts.sync_gradients",
+             f"{_L14}.experts.expert_parallel", f"{_L14}.experts.ExpertParallelMoE.send_out",
+             f"{_L14}.experts.ExpertParallelMoE.bring_back")
+# What would state the answers before the exercise is graded: the gradient rule, and the answer's own lines.
+GIVEAWAYS = ("not all-reduced", "never all-reduce", "divided by p", "divide it by p", "divide them by p",
+             "divided by the number of ranks and nothing else", "divide by the world size only",
+             "divided by the world size and never", "1/p forgotten", "all_to_all_single(incoming, counts",
+             "argsort(which, stable=True)", "index_copy(0, order", "index_copy(0, ex.regroup")
 EXPERTS = ".mlp.experts."  # in the names of the expert parameters
 EXPERT_PARAMS = ("fc.weight", "fc.bias", "proj.weight", "proj.bias")
 
@@ -356,16 +373,42 @@ def diagnose(found: list[dict[str, Any]], refs: dict[str, Any]) -> Verdict:
                          f"gradient {max(r['grad_rel_err'] for r in found):.1e} (relative, float64).")
 
 
+SPLITS_DISAGREE = ("\n" + WHY_COUNTS + " (Its row sums, one per source rank; its column sums, one per local expert, "
+                   "are not splits.)")
+SPLITS_SWAPPED = ("\nEach split list must add up to its own tensor's rows, on every rank: output_split_sizes, the third "
+                  "argument of dist.all_to_all_single, to the output's, and input_split_sizes, the fourth, to the "
+                  "input's. Passed in each other's place they do not (unless a rank sends as many rows as it "
+                  "receives); PyTorch checks it as the call starts (checkSplitSizes in "
+                  "torch/csrc/distributed/c10d/Utils.hpp: \"Split sizes doesn't match total dim 0 size\").")
+NOT_SENT_BACK = ("\nThe experts' outputs are one row per row this rank's experts received, in dispatch's grouped order: "
+                 "the slots of other ranks' tokens. This rank's own token-slots come back only through the reverse "
+                 "exchange: undo the regroup, then an all_to_all with the dispatch's splits swapped (what was "
+                 "received is sent back, what was sent comes back) returns exactly this rank's slots, in the order it "
+                 "sent them; then put each at its slot and gate.")
+
+
 def hint(output: str) -> str:
-    """What a failed job's output says: gloo's or PyTorch's words for splits that disagree."""
-    if "Received data size doesn't match expected size" in output or "Split sizes doesn't match" in output:
+    """What a failed job's output says: the harness's check of the splits, or gloo's or PyTorch's words for
+    splits that disagree, an index_copy in combine over rows that were never sent back."""
+    if "all_to_all_single in dispatch" in output and "the ranks' splits disagree" in output:
+        return SPLITS_DISAGREE
+    if "all_to_all_single in combine" in output and "the ranks' splits disagree" in output:
+        return ("\nThe way back is the dispatch's exchange reversed: every rank sends what it received (its receive "
+                "splits become its send splits) and receives what it sent.")
+    if "combine sent nothing back" in output:
+        return NOT_SENT_BACK
+    if "Received data size doesn't match expected size" in output:
         return ("\n" + COUNTS_NOT_EXCHANGED + " Here a rank expected a number of rows from another that is not what "
                 "that rank sent (gloo aborts: \"Received data size doesn't match expected size\").")
+    if "Split sizes doesn't match total dim 0 size" in output or re.search(r"all_to_all_single in \w+ .*add up to", output):
+        return SPLITS_SWAPPED
     if "ProcessGroupGloo::scatter: invalid tensor size" in output and "all_to_all" in output:
         return ("\nNot a mistake of the exchange: gloo's list all_to_all (dist.all_to_all, and "
                 "torch.distributed.nn.functional.all_to_all) is a scatter from every rank underneath and carries "
                 "tensors of one size only. With uneven splits use all_to_all_single with output_split_sizes and "
                 "input_split_sizes (AllToAll.apply, or torch.distributed.nn.functional.all_to_all_single).")
+    if re.search(r"IndexError: index_copy_?\(\)", output) and "in combine" in output:
+        return "\nLikely cause: combine put the experts' outputs at this rank's slots without sending them back first." + NOT_SENT_BACK
     return ""
 
 

@@ -59,7 +59,10 @@ HELP = lab_help("moe_lab", DEFAULTS, n_experts="experts per block (divisible by 
 # moves a weight whose gradient is rounding noise by a sizeable fraction of lr (lesson 04, section 6),
 # which the measured 6e-5 to 9e-5 reflect; 1e-3 leaves a factor of 10 above them.
 # In float64 the same algorithm lands ~1e-16 (loss) to ~1e-13 (weights) from one process: what is left in
-# float32 is rounding. FP64_RTOL bounds its loss and gradients, ~1000 units of float64's rounding (1.1e-16).
+# float32 is rounding. FP64_RTOL bounds its loss and gradients: 1e-12 is ~9,000 units of float64's rounding
+# (1.1e-16), a loose bound on purpose -- the loss and gradients measure a few units (1e-16 to 6e-16), and a
+# token-slot served by another expert or brought home to another token moves them by ~1e-6 or more
+# (experts_harness), so any bound between the two tells them apart.
 LOSS_RTOL, GRAD_RTOL, UPDATE_RTOL = 1e-6, 1e-5, 1e-3
 FP64_RTOL = 1e-12
 

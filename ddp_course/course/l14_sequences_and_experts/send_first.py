@@ -1,4 +1,4 @@
-"""One ring step, three ways, on gloo: which of them finishes?
+"""One ring step, four ways, on gloo: which of them finishes?
 
     torchrun --standalone --nproc_per_node=4 -m ddp_course.course.l14_sequences_and_experts.send_first --out_dir=runs/14_send_first
 
@@ -6,8 +6,11 @@ Every rank passes a tensor to the next rank and receives the previous rank's:
 
 - ``isend/irecv``: both posted without waiting, then both waited for;
 - ``even sends first``: blocking ``send``/``recv``, even ranks sending first and odd ranks receiving first;
-- ``all send first``: blocking ``send`` then ``recv`` on every rank -- the classic mistake. It runs last,
-  in a process group of its own whose timeout is ``--wait_s``, so that the job ends either way.
+- ``all send first``: blocking ``send`` then ``recv`` on every rank -- the classic mistake;
+- ``all receive first``: blocking ``recv`` then ``send`` on every rank -- its mirror image.
+
+The last two run last, each in a process group of its own whose timeout is ``--wait_s``, so that the job
+ends either way.
 
 Each is tried with ``--sizes`` elements. Rank 0 writes ``send_first.json``: per way and size, whether every
 rank finished and in how many seconds, or the error it stopped with.
@@ -43,6 +46,9 @@ def step(way: str, t: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Te
     if way == "isend/irecv":
         for req in [dist.isend(t, nxt, group=group), dist.irecv(buf, prv, group=group)]:
             req.wait()
+    elif way == "all receive first":  # the blocking calls, receive first on every rank
+        dist.recv(buf, prv, group=group)
+        dist.send(t, nxt, group=group)
     elif way == "all send first" or rank % 2 == 0:  # the blocking calls, send first
         dist.send(t, nxt, group=group)
         dist.recv(buf, prv, group=group)
@@ -72,10 +78,11 @@ def main(argv: list[str]) -> int:
         if not info.is_distributed:
             raise FlagError(f"the demo needs a process group: launch it with `{PROG}`.")
         results: dict[str, dict[str, Any]] = {}
-        for way in ("isend/irecv", "even sends first", "all send first"):
+        for way in ("isend/irecv", "even sends first", "all send first", "all receive first"):
             for n in sizes:
                 # a group of its own each time: a group whose operation timed out is closed for good
-                short = dist.new_group(timeout=datetime.timedelta(seconds=opts["wait_s"])) if way == "all send first" else None
+                short = (dist.new_group(timeout=datetime.timedelta(seconds=opts["wait_s"])) if way.startswith("all ")
+                         else None)
                 mine = attempt(way, n, short)
                 every: list = [None] * info.world_size
                 dist.all_gather_object(every, mine)
