@@ -69,9 +69,12 @@ COLLECTIVE_S = 15
 # ... and the grader stops a job none of whose processes works for this long (it allows 30 s): later
 # than the collective timeout, so that a "hang" is answered by the timeout
 STALL_S = 22
-# exercise 14's ring step with the blocking calls, every rank sending first (lesson 14, section 7)
+# exercise 14's ring step with the blocking calls, every rank sending first (lesson 14, section 8), and every
+# rank receiving first
 SEND_FIRST = ("    received = torch.empty_like(t)\n    dist.send(t.contiguous(), send_to)\n"
               "    dist.recv(received, recv_from)\n    return received\n")
+RECV_FIRST = ("    received = torch.empty_like(t)\n    dist.recv(received, recv_from)\n"
+              "    dist.send(t.contiguous(), send_to)\n    return received\n")
 # exercise 04's learner joins the process group with a timeout of their own: the hang attempt sets it
 OWN_TIMEOUT = ("timedelta(seconds=60)", f"timedelta(seconds={COLLECTIVE_S})")
 # A NameError and a hang are tried on one exercise for each way a job is started and graded: the
@@ -113,6 +116,9 @@ def graded(tmp_path_factory) -> dict:
     (tmp / "send_first").mkdir()
     hangs["send first", "14_ring_attention"] = (exercise_attempt(tmp / "send_first", "14_ring_attention.py",
                                                                  "pass_on", SEND_FIRST), 0)
+    (tmp / "recv_first").mkdir()
+    hangs["recv first", "14_ring_attention"] = (exercise_attempt(tmp / "recv_first", "14_ring_attention.py",
+                                                                 "pass_on", RECV_FIRST), 0)
     path04.write_text(path04.read_text(encoding="utf-8").replace(*OWN_TIMEOUT), encoding="utf-8")
     saved, idle_s = os.environ.get(COLLECTIVE_TIMEOUT_VAR), check.verdicts.IDLE_S
     os.environ[COLLECTIVE_TIMEOUT_VAR] = str(COLLECTIVE_S)
@@ -243,6 +249,20 @@ def test_a_ring_step_in_which_every_rank_sends_first_is_named(graded):
     # the rings of 2 ranks come first: in each pair one rank's send times out, and its peer then loses it
     assert re.search(r"ranks? [0-3](, \d)*( and \d)? raised RuntimeError: Timed out waiting", msg), msg
     assert f'File "{show(path)}", line' in msg and "dist.send(t.contiguous(), send_to)" in msg, msg
+    no_launcher(msg)
+    assert not _no_process_left(path)
+
+
+def test_a_ring_step_in_which_every_rank_receives_first_is_named(graded):
+    """Exercise 14 with the blocking recv before the send on every rank: gloo says only "Timed out waiting ...
+    for recv operation to complete"; the verdict says that every rank waited in recv before any rank sent."""
+    (path, _), verdict, seconds = graded["recv first", "14_ring_attention"]
+    msg = verdict.message
+    print(f"14_ring_attention, every rank receiving first: answered in {seconds:.0f} s")
+    assert not verdict.ok and "for recv operation" in msg, msg
+    assert "every rank waited in recv before any rank sent" in msg and "deadlocks the ring" in msg, msg
+    assert "every rank sent before it received" not in msg, msg
+    assert f'File "{show(path)}", line' in msg and "dist.recv(received, recv_from)" in msg, msg
     no_launcher(msg)
     assert not _no_process_left(path)
 
