@@ -59,6 +59,21 @@ def test_collectives_lab_4_ranks(tmp_path):
     ranks = _per_rank(job.out_dir, "collectives_rank*.json")
     _check_collectives(ranks, 4)
     assert all(_rec(d, "all_reduce_avg")["native"] for d in ranks)  # gloo has AVG in the torch this course pins
+    for d in ranks:  # the API takes reduce_scatter; what gloo runs under it is an all-reduce of the whole buffer
+        rs = _rec(d, "reduce_scatter")
+        assert rs["executed"] == ["gloo:all_reduce"] and rs["native"] is False, rs
+        assert "no reduce-scatter of its own" in rs["note"] and "all-reduce's traffic" in rs["note"]
+
+
+def test_native_means_the_backend_ran_a_reduce_scatter():
+    """``native`` of the reduce_scatter record is what the backend ran, not whether the API call raised: lesson
+    02 once printed "native reduce_scatter: True" on gloo, which ran the call as gloo:all_reduce (lesson 09's
+    trace of FSDP shows it). No backend operation seen: no verdict."""
+    from ddp_course.course.l02_collectives.collectives import runs_reduce_scatter
+
+    assert runs_reduce_scatter(["gloo:all_reduce"]) is False
+    assert runs_reduce_scatter(["nccl:_reduce_scatter_base"]) is True
+    assert runs_reduce_scatter([]) is None
 
 
 FALLBACK = '''
@@ -99,6 +114,7 @@ def test_collectives_lab_2_ranks_without_avg_and_reduce_scatter(tmp_path):
         avg, rs = _rec(d, "all_reduce_avg"), _rec(d, "reduce_scatter")
         assert not avg["native"] and "no ReduceOp.AVG" in avg["note"] and "/= world_size" in avg["call"]
         assert not rs["native"] and "no reduce_scatter" in rs["note"] and "all_reduce" in rs["call"]
+        assert rs["executed"] == ["gloo:all_reduce"]
 
 
 def test_labs_refuse_bad_options(capsys, monkeypatch):

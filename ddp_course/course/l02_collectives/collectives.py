@@ -15,15 +15,19 @@ process-group timeout), ``--barrier_delay_s`` (rank r reaches the barrier r time
 
 Where a backend lacks an operation (gloo had no ``ReduceOp.AVG`` and no reduce_scatter in older
 PyTorch releases), the program shows the same result through the path the backend does support
-and says so in the record's ``note``; ``native`` tells which happened on this machine.
+and says so in the record's ``note``. What the API accepts is not what the backend runs: the
+reduce_scatter record's ``executed`` lists the backend's own operations under the call, as PyTorch's
+profiler names them (``gloo:all_reduce``, ...), and its ``native`` is True only when one of them is a
+reduce-scatter (None when the profiler saw no backend operation to tell by).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -74,6 +78,46 @@ def record(name: str, title: str, call: str, before: torch.Tensor | None, after:
     return {"name": name, "title": title, "call": call, "before": _values(before), "after": _values(after),
             "expected": _values(expected) if after_defined else None, "after_defined": after_defined,
             "chunk": chunk, "ok": ok, "native": native, "note": note, **extra}
+
+
+BACKEND_EVENT_PREFIXES = ("gloo:", "nccl:", "mpi:", "ucc:", "xccl:")  # the profiler's names of a backend's own work
+
+
+@contextlib.contextmanager
+def _stderr_dropped() -> Iterator[None]:
+    """File descriptor 2 sent to the null device for the block: the profiler of this PyTorch writes a line
+    of its own there as it starts and stops (``USDT: ... profiler_start``), below Python's sys.stderr."""
+    sys.stderr.flush()
+    saved, null = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(null, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(null)
+
+
+def backend_ops(call: Callable[[], Any]) -> tuple[Any, list[str]]:
+    """``call()``'s result, and the backend operations the profiler saw under it (sorted names, e.g.
+    ``["gloo:all_reduce"]``): what the process group ran, whatever the API call was called. Only the
+    profiler's start and stop are kept off stderr; what ``call`` itself writes there is not."""
+    from torch.profiler import ProfilerActivity, profile
+
+    prof = profile(activities=[ProfilerActivity.CPU])
+    with _stderr_dropped():
+        prof.start()
+    try:
+        result = call()
+    finally:
+        with _stderr_dropped():
+            prof.stop()
+    return result, sorted({e.key for e in prof.key_averages() if e.key.startswith(BACKEND_EVENT_PREFIXES)})
+
+
+def runs_reduce_scatter(executed: list[str]) -> bool | None:
+    """Whether the backend ran a reduce-scatter of its own (None: no backend operation seen to tell by)."""
+    return any("reduce_scatter" in op for op in executed) if executed else None
 
 
 def run_collectives(rank: int, world: int, device: torch.device, delay_s: float) -> list[dict[str, Any]]:
@@ -184,32 +228,39 @@ def scatters(rank: int, world: int, device: torch.device, mine: Callable[[torch.
     RS = reduce_inputs(world, world * K, seed=1)
     x = mine(RS[rank])
     recv = torch.zeros(K, device=device)
-    path, note, native = "", "", True
+    path, note, native = "", "", None
     flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     try:
-        flat(recv, x, op=dist.ReduceOp.SUM)
+        _, executed = backend_ops(lambda: flat(recv, x, op=dist.ReduceOp.SUM))
         path = f"dist.{flat.__name__}(out, x, op=SUM)"
     except (RuntimeError, ValueError) as exc:
         if not _unsupported(exc):
             raise
         first = str(exc).splitlines()[0][:120]
         try:
-            dist.reduce_scatter(recv, list(x.split(K)), op=dist.ReduceOp.SUM)
+            _, executed = backend_ops(lambda: dist.reduce_scatter(recv, list(x.split(K)), op=dist.ReduceOp.SUM))
             path = "dist.reduce_scatter(out, list(x.split(k)), op=SUM)"
             note = f"the flat-tensor variant is not supported here ({first}); the list variant is"
         except (RuntimeError, ValueError) as exc2:
             if not _unsupported(exc2):
                 raise
             full = x.clone()
-            dist.all_reduce(full, op=dist.ReduceOp.SUM)
+            _, executed = backend_ops(lambda: dist.all_reduce(full, op=dist.ReduceOp.SUM))
             recv = full[rank * K:(rank + 1) * K].clone()
-            native = False
             path = "dist.all_reduce(x, op=SUM); out = x[rank*k:(rank+1)*k]"
             note = (f"the {dist.get_backend()} backend of this PyTorch has no reduce_scatter "
                     f"({str(exc2).splitlines()[0][:120]}); shown via all_reduce, keeping this rank's chunk -- "
                     "the same result, moving about twice the data a real reduce_scatter moves")
+            native = False
+    if native is None:
+        native = runs_reduce_scatter(executed)
+        if native is False:  # the API took the call, and the backend ran something else under it
+            ran = f"the {dist.get_backend()} backend ran it as {', '.join(executed)}, no reduce-scatter of its own" + (
+                ": an all-reduce of the whole buffer, of which each rank keeps its chunk -- the result of a "
+                "reduce_scatter, with all-reduce's traffic" if any("all_reduce" in op for op in executed) else "")
+            note = f"{note}; {ran}" if note else ran
     out.append(record("reduce_scatter", "reduce_scatter(SUM)", path, x, recv,
-                      RS.sum(0)[rank * K:(rank + 1) * K], chunk=K, note=note, native=native))
+                      RS.sum(0)[rank * K:(rank + 1) * K], chunk=K, note=note, native=native, executed=executed))
     return out
 
 

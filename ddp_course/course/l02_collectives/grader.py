@@ -16,6 +16,10 @@ from pathlib import Path
 from ddp_course.check import Verdict, run_exercise
 
 EXERCISE = "02_ring_allreduce.py"  # the script this grades: lessons/exercises/02_ring_allreduce.py
+# What would state the answer before it is graded (tests/exercises/test_exercises_ask.py): which chunk a
+# rank sends, adds into and receives at step s (the indices), and which chunk it finishes.
+GIVEAWAYS = ("(r - s) % n", "(r - s - 1) % n", "(r + 1 - s) % n", "(r - s) mod n", "(r - s - 1) mod n",
+             "chunk (r + 1) % n", "chunk (r + 1) mod n")
 
 WORLD_SIZES = (2, 4)
 
