@@ -99,8 +99,9 @@ def test_nothing_the_exercise_imports_holds_the_course_version_of_an_answer(name
 
 
 def delegating(name: str, function: str, body: str) -> str:
-    """The shipped script with ``function``'s body replaced by ``body`` (a learner's delegating answer)."""
-    return check.replace_function_body(shipped(name), function, body)
+    """The exercise answered, but for ``function``, whose body is ``body`` (a learner's delegating answer)."""
+    solution = (ROOT / "solutions" / "exercises" / check.exercises()[name].script).read_text(encoding="utf-8")
+    return check.replace_function_body(rewrite.answer_source(solution), function, body)
 
 
 # (exercise, answer function, a body that hands the work to the course's version)
