@@ -1,5 +1,5 @@
-"""Tensor parallelism for MiniGPT, shared by ``--strategy=fsdp_tp`` and the lessons' labs (not a strategy:
-its name starts with ``_``).
+"""MiniGPT's attention split by heads, and the qkv row order every state dict is put back into: what
+``--strategy=fsdp_tp`` and the lessons' labs and exercises share (not a strategy: its name starts with ``_``).
 
 MiniGPT's attention has ONE fused linear layer, ``qkv``, whose 3C output rows are all of q, then all of
 k, then all of v. A column-wise shard of it in that order would give rank 0 of 2 all of q and half of k.
@@ -10,13 +10,8 @@ state dict that leaves a strategy puts the rows back in the model's own order (:
 and every one that comes in is reordered again (:func:`tp_rows`), so that a checkpoint means the same
 weights whatever the mesh that wrote it.
 
-The plans (:func:`block_plan`, :func:`root_plan`) follow Megatron-LM's layout: ``qkv`` and ``mlp.fc``
-column-wise, ``attn.proj`` and ``mlp.proj`` row-wise. With ``sequence_parallel`` the LayerNorms and the
-residual stream between the blocks are sharded along the sequence (``Shard(1)``): each row-wise layer
-reduce-scatters its output onto the sequence instead of all-reducing it, and each block's attention and
-MLP all-gather the sequence back first. Without it the residual stream is replicated and each row-wise
-layer all-reduces. ``vocab_parallel`` shards the tied embedding table by vocabulary rows (the embedding
-row-wise, the output head column-wise with its logits left sharded for ``loss_parallel``).
+Which module gets which parallel style (the plans) is not here: ``ddp_course.parallel._tp_plan`` holds
+them, apart from what an exercise imports (lesson 13's exercise asks for the plan).
 """
 
 from __future__ import annotations
@@ -29,9 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 if TYPE_CHECKING:
-    from torch.distributed.device_mesh import DeviceMesh
-
-    from ddp_course.model import CausalSelfAttention, MiniGPT
+    from ddp_course.model import CausalSelfAttention
 
 QKV = ("attn.qkv.weight", "attn.qkv.bias")  # the entries whose rows are reordered (suffixes of their names)
 
@@ -106,67 +99,6 @@ class HeadParallelAttention(nn.Module):
                                            dropout_p=self.dropout if self.training else 0.0)
         y = y.transpose(1, 2).contiguous().view(B, T, -1)  # (B, T, C/N): this rank's heads, in order
         return self.resid_drop(self.proj(y))
-
-
-def block_plan(sequence_parallel: bool = True) -> dict[str, Any]:
-    """``parallelize_module``'s plan for one block: attention and MLP split Megatron-style; with
-    ``sequence_parallel``, the LayerNorms on sequence shards and the row-wise outputs reduce-scattered
-    onto the sequence (else replicated: the row-wise outputs all-reduced)."""
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
-
-    plan: dict[str, Any] = {"attn.qkv": ColwiseParallel(), "mlp.fc": ColwiseParallel()}
-    if not sequence_parallel:
-        return {**plan, "attn.proj": RowwiseParallel(), "mlp.proj": RowwiseParallel()}
-    gather = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
-    return {**plan, "ln1": SequenceParallel(), "ln2": SequenceParallel(), "attn": gather, "mlp": gather,
-            "attn.proj": RowwiseParallel(output_layouts=Shard(1)), "mlp.proj": RowwiseParallel(output_layouts=Shard(1))}
-
-
-def root_plan(sequence_parallel: bool = True, vocab_parallel: bool = False) -> dict[str, Any]:
-    """The plan around the blocks: where the residual stream becomes sequence-sharded (the first
-    block's input, cut locally) and whole again (the head's input, all-gathered); with
-    ``vocab_parallel`` the tied table sharded by vocabulary rows."""
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import PrepareModuleInput, RowwiseParallel, SequenceParallel
-
-    plan: dict[str, Any] = {}
-    if sequence_parallel:
-        plan["blocks.0"] = PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
-                                              use_local_output=True)
-        plan["ln_f"] = SequenceParallel()
-    before_head = Shard(1) if sequence_parallel else Replicate()
-    if vocab_parallel:
-        plan["tok_emb"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
-        plan["head"] = PrepareModuleInput(input_layouts=(before_head,), desired_input_layouts=(Replicate(),),
-                                          use_local_output=False)
-    elif sequence_parallel:
-        plan["head"] = PrepareModuleInput(input_layouts=(before_head,), desired_input_layouts=(Replicate(),),
-                                          use_local_output=True)
-    return plan
-
-
-def tensor_parallel(model: MiniGPT, mesh: DeviceMesh, *, sequence_parallel: bool = True,
-                    vocab_parallel: bool = False) -> MiniGPT:
-    """Split every block of ``model`` over the 1-D ``mesh`` (the tensor-parallel ranks), in place."""
-    from torch.distributed.tensor.parallel import parallelize_module
-
-    n = mesh.size()
-    cfg = model.cfg
-    for what, size in (("n_head", cfg.n_head), ("n_embd", cfg.n_embd)) + (
-            (("block_size", cfg.block_size),) if sequence_parallel else ()):
-        if size % n:
-            raise ValueError(f"{what}={size} does not split over {n} tensor-parallel ranks")
-    for block in model.blocks:
-        rearrange_qkv(block.attn, n)
-        block.attn = HeadParallelAttention(block.attn, n)
-        parallelize_module(block, mesh, block_plan(sequence_parallel))
-    plan = root_plan(sequence_parallel, vocab_parallel)
-    if plan:
-        parallelize_module(model, mesh, plan)
-    if vocab_parallel:
-        model.head.weight = model.tok_emb.weight  # re-tie: the vocabulary-sharded table serves both
-    return model
 
 
 def _reorder(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:

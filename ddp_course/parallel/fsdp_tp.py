@@ -4,7 +4,7 @@ The ranks form a 2-D mesh ``(dp, tp)`` with ``tp = --tp`` (a divisor of the worl
 ``dp = world size / tp``, laid out row by row: ranks ``[d * tp, (d + 1) * tp)`` are one tensor-parallel
 group, and they see the same batch; the ``dp`` groups see different batches (:func:`data_parallel`).
 
-Inside a tensor-parallel group (``ddp_course.parallel._tensor_parallel``): every block's attention is
+Inside a tensor-parallel group (``ddp_course.parallel._tp_plan``): every block's attention is
 split by heads and its MLP by hidden units (``qkv`` and ``mlp.fc`` column-wise, the two ``proj``
 row-wise), and with sequence parallelism the LayerNorms and the residual stream between blocks hold
 a slice of the sequence each: every block all-gathers the sequence before its attention and its MLP
@@ -36,7 +36,8 @@ from torch.distributed.tensor import DTensor
 
 from ddp_course.config import ConfigError, TrainConfig
 from ddp_course.dist import DistInfo
-from ddp_course.parallel import _tensor_parallel as tp_plan
+from ddp_course.parallel import _tensor_parallel as heads
+from ddp_course.parallel import _tp_plan as tp_plan
 from ddp_course.parallel import fsdp
 from ddp_course.parallel.fsdp import mp_policy
 
@@ -75,7 +76,7 @@ def device_mesh(info: DistInfo, cfg: TrainConfig) -> DeviceMesh:
 def wrap(model: nn.Module, info: DistInfo, cfg: TrainConfig) -> nn.Module:
     """Tensor (and sequence) parallel inside each block over ``tp``, then FSDP2 over ``dp``, in place."""
     mesh = device_mesh(info, cfg)
-    tp_plan.quiet_sequential_redistribution()
+    heads.quiet_sequential_redistribution()
     tp_plan.tensor_parallel(model, mesh["tp"], sequence_parallel=True)
     options = {"mesh": mesh["dp"], "mp_policy": mp_policy(cfg)}
     for block in model.blocks:  # the order of lesson 09: each block one unit, then the root
@@ -112,7 +113,7 @@ def state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, options: Any 
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
-    return _rows(model, model_sd, tp_plan.natural_rows), _optim_rows(model, optim_sd, tp_plan.natural_rows)
+    return _rows(model, model_sd, heads.natural_rows), _optim_rows(model, optim_sd, heads.natural_rows)
 
 
 def _rows(model: nn.Module, model_sd: dict, convert) -> dict:
@@ -128,7 +129,7 @@ def _optim_rows(model: nn.Module, optim_sd: dict, convert) -> dict:
     n_embd, tp = model.cfg.n_embd, model._tp_size
     out = {}
     for name, per_param in state.items():
-        if isinstance(name, str) and name.endswith(tp_plan.QKV):
+        if isinstance(name, str) and name.endswith(heads.QKV):
             per_param = {k: convert({name: v}, n_embd, tp)[name] if isinstance(v, torch.Tensor) and v.dim() >= 1
                          else v for k, v in per_param.items()}
         out[name] = per_param
@@ -140,8 +141,8 @@ def load_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, model_sd
     """The inverse of :func:`state_dict`: the qkv rows back in the tensor-parallel order, then DCP's."""
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
-    model_sd = _rows(model, model_sd, tp_plan.tp_rows)
-    optim_sd = _optim_rows(model, optim_sd, tp_plan.tp_rows)
+    model_sd = _rows(model, model_sd, heads.tp_rows)
+    optim_sd = _optim_rows(model, optim_sd, heads.tp_rows)
     set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd, options=options)
 
 
@@ -149,7 +150,7 @@ def model_state_dict(model: nn.Module, options: Any = None) -> dict:
     """The model's state dict alone (``final.pt``, fingerprints), the qkv rows in the model's own order."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    return _rows(model, get_model_state_dict(model, options=options), tp_plan.natural_rows)
+    return _rows(model, get_model_state_dict(model, options=options), heads.natural_rows)
 
 
 def gathered(model: nn.Module) -> nn.Module:

@@ -1,11 +1,12 @@
 """Exercise 13 -- the 2-D plan: FSDP2 over the data-parallel ranks, tensor and sequence parallelism inside
 each block, on 4 ranks.
 
-Complete ``make_mesh`` (the 2 x 2 mesh of the 4 ranks, its dimensions named ``"dp"`` and ``"tp"``) and
-``parallelize`` (which module of MiniGPT gets which parallel style over ``tp``, with sequence
-parallelism for the LayerNorms and the residual stream, then FSDP over ``dp``: each block, then the
-root). The head split of the attention is given (``prepare_attention``: the fused qkv's rows reordered
-so that each rank's column shard holds q, k and v of its own heads); the rest is yours.
+Complete ``make_mesh`` (the 4 ranks as a 2 x 2 mesh, its dimensions named ``"dp"`` and ``"tp"``, each
+tensor-parallel group made of ranks that a real machine puts on one node) and ``parallelize`` (which
+module of MiniGPT gets which parallel style over ``tp``, with sequence parallelism for the LayerNorms
+and the residual stream, and FSDP2 over ``dp`` -- in which order is for you to find). The head split of
+the attention is given (``prepare_attention``: the fused qkv's rows reordered so that each rank's column
+shard holds q, k and v of its own heads); the rest is yours.
 
 Run it (from the repository root):
 
@@ -53,16 +54,16 @@ def prepare_attention(model: MiniGPT, tp: int) -> None:
 
 
 def make_mesh(world_size: int) -> DeviceMesh:
-    """The ranks as a 2-D mesh: ``world_size // TP`` rows (``"dp"``) of ``TP`` ranks (``"tp"``)."""
-    # BEGIN SOLUTION hint: a 2-D CPU mesh of world_size // TP by TP ranks, its dimensions named "dp" and "tp"
+    """The ranks as a 2-D mesh with dimensions ``"dp"`` and ``"tp"`` (``TP`` ranks per tensor-parallel group)."""
+    # BEGIN SOLUTION hint: a 2-D CPU mesh of the world_size ranks, TP of them in each "tp" group, its dimensions named "dp" and "tp"; a "tp" group must be consecutive ranks (one node)
     return init_device_mesh("cpu", (world_size // TP, TP), mesh_dim_names=("dp", "tp"))
     # END SOLUTION
 
 
 def parallelize(model: MiniGPT, mesh: DeviceMesh) -> nn.Module:
-    """Tensor and sequence parallel over ``mesh["tp"]``, then FSDP2 over ``mesh["dp"]``; returns the model."""
+    """Tensor and sequence parallelism over ``mesh["tp"]`` and FSDP2 over ``mesh["dp"]``; returns the model."""
     prepare_attention(model, mesh["tp"].size())
-    # BEGIN SOLUTION hint: per block a plan over mesh["tp"] (norms, attention, MLP), one for the model around the blocks; then fully_shard over mesh["dp"]: each block, then the model
+    # BEGIN SOLUTION hint: a plan over mesh["tp"] for each block (its norms, attention, MLP) and one for the modules around the blocks, and FSDP2 over mesh["dp"] -- which of the two must come first?
     gather = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
     for block in model.blocks:
         parallelize_module(block, mesh["tp"], {

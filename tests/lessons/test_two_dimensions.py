@@ -10,16 +10,19 @@ from __future__ import annotations
 
 import json
 import shutil
+from datetime import timedelta
 
 import notebook_runs
 import pytest
 import torch
-from harness import python_module
+import torch.distributed as dist
+from harness import free_port, python_module, spawn
 
 from ddp_course import checkpoint
 from ddp_course.config import ConfigError, TrainConfig
 from ddp_course.course.l11_beyond_data_parallel import plan
-from ddp_course.course.l13_two_dimensions import layouts, limits
+from ddp_course.course.l13_two_dimensions import layouts, limits, two_d_harness
+from ddp_course.dist import clean_exit
 from ddp_course.launch import run
 from ddp_course.parallel import fsdp_tp
 
@@ -65,10 +68,59 @@ def test_bytes_per_rank_equal_the_prediction(lab):
 
 @pytest.mark.timeout(300)
 def test_collectives_per_mesh_dimension_equal_the_derived_table(lab):
+    """Every variant's counts, ``vocab`` included: its loss's three all-reduces over tp, issued inside
+    DTensor's handlers under ``loss_parallel``, are counted (``two_d_harness.CollectiveCounter``)."""
     L = lab["shape"]["n_layer"]
-    for name, sp in (("sp", True), ("no_sp", False)):
-        want = layouts.expected_collectives(L, sequence_parallel=sp, dp=lab["dp"])
+    for name, options in (("sp", {}), ("no_sp", {"sequence_parallel": False}), ("vocab", {"vocab_parallel": True})):
+        want = layouts.expected_collectives(L, dp=lab["dp"], **options)
         assert all(r["collectives"] == want for r in lab["variants"][name]["per_rank"]), name
+
+
+def _counter_worker(rank: int, port: int, out: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor.parallel import loss_parallel
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    torch.set_num_threads(1)
+    with clean_exit():
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                                timeout=timedelta(seconds=30))
+    try:
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+        g = torch.Generator().manual_seed(0)
+        logits = distribute_tensor(torch.randn(4, 6, generator=g), mesh, [Shard(1)])  # sharded by vocabulary
+        target = torch.randint(6, (4,), generator=g)
+        found = {}
+        with two_d_harness.CollectiveCounter(two_d_harness.mesh_groups(mesh)) as c, loss_parallel():
+            torch.nn.functional.cross_entropy(logits, target)
+        found["loss_parallel"] = c.counts
+        with two_d_harness.CollectiveCounter(two_d_harness.mesh_groups(mesh)) as c:
+            logits.redistribute(mesh, [Replicate()])  # DTensor's redistribution, from Python
+            dist.all_reduce(torch.ones(2), group=mesh.get_group())  # c10d's, as FSDP issues them
+        found["outside"] = c.counts
+        with two_d_harness.CollectiveCounter(two_d_harness.mesh_groups(mesh)) as c, _disable_current_modes():
+            dist.all_reduce(torch.ones(2), group=mesh.get_group())  # one that no dispatch mode sees
+        found["hidden"] = c.counts
+        torch.save(found, f"{out}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_counter_counts_the_collectives_dtensor_issues_inside_its_handlers(tmp_path):
+    """Guards the lab's and the exercise's collective counts (``two_d_harness.CollectiveCounter``).
+
+    ``loss_parallel``'s cross-entropy issues three all-reduces over the vocabulary shards (the largest
+    logit, the sum of exponentials, the target's logit) inside DTensor's own op handlers, where a
+    dispatch mode that runs each operator itself is switched off: the counter once counted none of
+    them. And a collective that the counter cannot see at all is still counted, as ``unseen``, from
+    the process group's own numbering of what it ran."""
+    spawn(_counter_worker, (free_port(), str(tmp_path)), 2)
+    for rank in range(2):
+        found = torch.load(tmp_path / f"rank{rank}.pt")
+        assert found["loss_parallel"] == {"tp:all_reduce": 3}, (rank, found)
+        assert found["outside"] == {"tp:all_gather": 1, "tp:all_reduce": 1}, (rank, found)
+        assert found["hidden"] == {"tp:unseen": 1}, (rank, found)
 
 
 def test_the_derived_table_for_more_blocks():
@@ -78,10 +130,13 @@ def test_the_derived_table_for_more_blocks():
                              "dp:reduce_scatter": 5}
     assert layouts.expected_collectives(4, sequence_parallel=False, dp=1) == {
         "forward": {"tp:all_reduce": 8}, "backward": {"tp:all_reduce": 8}}
+    v = layouts.expected_collectives(4, vocab_parallel=True, dp=2)
+    assert v["forward"] == {**t["forward"], "tp:all_reduce": 4}
+    assert v["backward"] == {**t["backward"], "tp:reduce_scatter": 9}
 
 
 def test_the_plan_table_reads_the_styles():
-    from ddp_course.parallel import _tensor_parallel as tp_plan
+    from ddp_course.parallel import _tp_plan as tp_plan
 
     rows = {r[0]: r for r in layouts.describe(tp_plan.block_plan(True), layouts.BLOCK_ORDER)}
     assert rows["ln1"][1:] == ("SequenceParallel", "S(1)", "S(1)")
@@ -156,7 +211,7 @@ def test_fsdp_tp_resumes_bit_for_bit_and_loads_at_other_mesh_shapes(two_d, tmp_p
 
 def test_pytorch_still_unties_a_tied_weight_and_gloo_still_reduce_scatters_by_an_all_reduce_and_more():
     """Each assertion is a fact of PyTorch as it is that the lesson relies on or reports. The day one
-    fails: drop the re-tie in ``_tensor_parallel.tensor_parallel`` (the tie survives parallelize_module),
+    fails: drop the re-tie in ``_tp_plan.tensor_parallel`` (the tie survives parallelize_module),
     or reword lesson 13's section 9 on gloo (it has a reduce-scatter of its own)."""
     job = notebook_runs.reuse("runs/13_limits", "ddp_course.course.l13_two_dimensions.limits", 1)  # section 9's
     found = limits.parse(job.output if job else python_module("ddp_course.course.l13_two_dimensions.limits",

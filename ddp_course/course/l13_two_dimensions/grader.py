@@ -2,22 +2,27 @@
 
 Runs the script with torchrun on 4 processes. Every rank trains its split model beside a one-process
 MiniGPT on the same global batches and reports (``two_d_harness.train_side_by_side``): the losses,
-the first step's gradients and the final weights against one process, where each parameter lives
-(mesh dimensions, placements, elements), the bytes it holds, and the collectives of the first step by
-mesh dimension. The grader judges what the plan *does*, whatever its spelling:
+the first step's gradients and the final weights against one process, the ranks of its group along
+each mesh dimension, where each parameter lives (mesh dimensions, placements, elements), the layout
+each module of the first block receives and hands on, the bytes it holds, and the collectives of the
+first step by mesh dimension. The grader judges what the plan *does*, whatever its spelling:
 
-- the mesh: 2 x 2, dimensions ``dp`` and ``tp``;
+- the mesh: 2 x 2, dimensions ``dp`` and ``tp``, ``tp`` the inner one (its groups consecutive ranks,
+  the ranks a real machine puts on one node);
 - the numbers: the loss, the first gradients and the weights equal to one process's
   (``two_d_harness``'s tolerances);
 - the memory: every parameter spread over ``dp`` (FSDP) and the block's linear layers over ``tp``,
   so that a rank holds about 1 / 4 of every linear layer and 1 / 2 of everything else;
+- the layouts: the LayerNorms and the residual stream split on the sequence (dimension 1);
 - the communication: the collectives per mesh dimension equal to the plan's
   (``layouts.expected_collectives``: sequence parallelism's all-gathers and reduce-scatters over
   ``tp``, FSDP's over ``dp``);
 
-and names the classic mistake nearest to what it measured: FSDP over the whole mesh, tensor
-parallelism applied after ``fully_shard``, a row-wise layer whose output is not reduced (or reduced
-twice), a sequence-parallel norm whose output the next layer does not gather, the root left unsharded.
+and names the classic mistake nearest to what it measured: the mesh's dimensions the other way
+round, tensor parallelism and FSDP on each other's dimension, FSDP over the whole mesh, tensor
+parallelism applied after ``fully_shard``, plan keys that name no module, a row-wise layer whose
+output is not reduced (or reduced twice), a sequence-parallel norm whose output the next layer does
+not gather, the stream split on the batch instead of the sequence, the root left unsharded.
 """
 
 from __future__ import annotations
@@ -29,6 +34,19 @@ from typing import Any
 from ddp_course.check import Verdict, judged, run_exercise
 
 EXERCISE = "13_two_d_plan.py"  # the script this grades: lessons/exercises/13_two_d_plan.py
+# The course's own versions of the answer (the strategy's and the lab's), which an answer may not call
+DELEGATES = ("ddp_course.parallel._tp_plan.block_plan", "ddp_course.parallel._tp_plan.root_plan",
+             "ddp_course.parallel._tp_plan.tensor_parallel", "ddp_course.parallel.fsdp_tp.wrap",
+             "ddp_course.parallel.fsdp_tp.device_mesh", "ddp_course.course.l13_two_dimensions.two_d_lab.split")
+# What would state the answer before the grading cell: the mesh's order, the plan's entries, the order
+# of tensor parallelism and FSDP
+GIVEAWAYS = ('mesh_dim_names=("dp", "tp")', "(world_size // TP, TP)", "tensor parallelism first",
+             "tensor parallel first", "then fully_shard", 'fully_shard(block, mesh=mesh["dp"])',
+             'fully_shard(model, mesh=mesh["dp"])', "each block, then the root", "each block, then the model",
+             "RowwiseParallel(output_layouts=Shard(1))", "input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)",
+             "desired_input_layouts=(Shard(1),)", "ln1 SequenceParallel", '"ln1": SequenceParallel()',
+             "attn PrepareModuleInput", "mlp PrepareModuleInput", "attn.proj RowwiseParallel", "mlp.proj RowwiseParallel",
+             "blocks.0 PrepareModuleInput", "head PrepareModuleInput", "ln_f SequenceParallel")
 NPROC = 4
 ROOT_PARAMS = ("tok_emb.weight", "pos_emb.weight", "ln_f.weight", "ln_f.bias")
 LINEAR = (".attn.qkv.weight", ".attn.qkv.bias", ".attn.proj.weight", ".mlp.fc.weight", ".mlp.fc.bias", ".mlp.proj.weight")
@@ -66,7 +84,10 @@ def layout_problem(records: list[dict[str, Any]]) -> str | None:
     """The first module whose weight, input or output is not laid out as the plan's, said as the
     mistake it shows; None when every probed module matches. Weights first, then inputs in the order
     the modules ran, then outputs from the innermost module out (a wrong output shows in every module
-    around it too)."""
+    around it too). A stream split on the batch comes before all of them."""
+    problem = sequence_dim_problem(records)
+    if problem:
+        return problem
     for r in records:
         name = SHORT.get(r["module"], r["module"])
         if name in STYLE and r.get("weight") and _split(r["weight"]) != STYLE[name]:
@@ -78,6 +99,27 @@ def layout_problem(records: list[dict[str, Any]]) -> str | None:
     if problem:
         return problem
     return _output_problem(sorted(records, key=lambda r: -r["module"].count(".")))
+
+
+NORMS = ("blocks.0.ln1", "blocks.0.ln2", "ln_f")
+
+
+def sequence_dim_problem(records: list[dict[str, Any]]) -> str | None:
+    """A LayerNorm handed the residual stream split on the batch (dimension 0) instead of the sequence:
+    the same numbers and the same collectives as the plan, but not sequence parallelism."""
+    split = [r for r in records if r["module"] in NORMS and (r.get("input") or {}).get("dtensor")
+             and (r["input"]["placements"] or [""])[-1] == "S(0)"]
+    if not split:
+        return None
+    names = ", ".join(SHORT.get(r["module"], r["module"]) for r in split)
+    return (f"the LayerNorms and the residual stream are split on dimension 0, the batch, not on dimension 1, the "
+            f"sequence: {names} receive(s) placements S(0), every rank holding all {split[0]['input']['seq']} tokens of "
+            "fewer sequences. The numbers and the collectives come out the same on this run, because each rank of a "
+            "tp group takes a part of its group's sequences -- but that is data parallelism inside the "
+            "tensor-parallel group, not sequence parallelism: at scale a tensor-parallel group often runs a "
+            "micro-batch of one long sequence, which a batch split cannot divide, while the sequence always has "
+            "tokens to share. Sequence parallelism is Shard(1): SequenceParallel()'s default, and Shard(1) in "
+            "the layouts before and after it.")
 
 
 def _planned(records: list[dict[str, Any]], side: str) -> Iterator[tuple[str, str, dict, str, str]]:
@@ -146,6 +188,58 @@ def _probe(output: str) -> list[dict[str, Any]] | None:
     return None
 
 
+def _tp_after_fsdp(output: str) -> bool:
+    """PyTorch's words when a parallel style meets a parameter FSDP already sharded: SequenceParallel's
+    ``DTensor.from_local`` refuses a DTensor, Colwise/RowwiseParallel's ``distribute_tensor`` refuses one
+    on another mesh (torch/distributed/tensor/_api.py)."""
+    import re
+
+    if "only accepts torch.Tensor but got" in output and "parallelize_module" in output:
+        return True
+    found = re.search(r"Cannot distribute a DTensor with device mesh (.*?) to a different device mesh (.*)", output)
+    return bool(found) and "dp" in found.group(1) and "tp" in found.group(2)
+
+
+PLAN_KEY = "Parallelize plan key '"
+# where a module of MiniGPT sits, for a key parallelize_module could not resolve inside it
+WHERE = {"HeadParallelAttention": "attn.", "CausalSelfAttention": "attn.", "MLP": "mlp.", "Block": "", "MiniGPT": ""}
+
+
+def unmatched_keys(output: str) -> list[dict[str, Any]]:
+    """The plan keys ``parallelize_module`` skipped because they name no module: its warning, "Parallelize
+    plan key '<key>' could not be resolved: no submodule matching token '<token>' in module <the module's
+    repr>" (torch/distributed/tensor/parallel/api.py), read from the job's output; each once, with the
+    class it looked in and that class's children (from the repr)."""
+    import re
+
+    found: dict[str, dict[str, Any]] = {}
+    lines = [re.sub(r"^\[(?:default)?rank ?\d+\]:", "", ln) for ln in output.splitlines()]  # torchrun's prefix
+    for i, line in enumerate(lines):
+        m = re.search(r"Parallelize plan key '([^']*)' could not be resolved: no submodule matching token '([^']*)' "
+                      r"in module (\w+)", line)
+        if not m:
+            continue
+        children = []
+        for nxt in lines[i + 1:]:
+            if not nxt.startswith(" "):  # the repr's closing parenthesis, or another line
+                break
+            c = re.match(r"^  \((\w+)\): ", nxt)
+            if c:
+                children.append(c.group(1))
+        key = WHERE.get(m.group(3), "") + m.group(1)
+        found.setdefault(key, {"key": key, "token": m.group(2), "module": m.group(3), "children": children})
+    return list(found.values())
+
+
+def unmatched_problem(keys: list[dict[str, Any]]) -> str:
+    said = "; ".join(f"'{k['key']}' ({k['module']} has {', '.join(k['children']) or 'no such child'}, no "
+                     f"'{k['token']}')" for k in keys)
+    return (f"plan key(s) that name no module of MiniGPT: {said}. parallelize_module warns and skips such an entry "
+            "(\"could not be resolved\"), so the layers meant stay plain tensors beside the split ones, and the "
+            "first operation that mixes the two fails (\"got mixed torch.Tensor and DTensor\"). A plan's keys are "
+            "module names relative to the module it is applied to: print(model.blocks[0]) and print(model) show them.")
+
+
 def hint(output: str) -> str:
     """What a failed job's output says about the plan: the first layout against the plan's, or what
     the exception shows of the order of the calls."""
@@ -153,10 +247,14 @@ def hint(output: str) -> str:
         return ("\nThe classic mistake: FSDP given the whole 2-D mesh. fully_shard then spans both dimensions, the "
                 "tensor-parallel one included, which the parameters already use. Give it the data-parallel "
                 "dimension only: fully_shard(module, mesh=mesh['dp']).")
-    if "only accepts torch.Tensor but got" in output and "parallelize_module" in output:
+    keys = unmatched_keys(output)
+    if keys:
+        return "\nWhere it went wrong: " + unmatched_problem(keys)
+    if _tp_after_fsdp(output):
         return ("\nThe classic mistake: tensor parallelism applied after fully_shard. FSDP has already made the "
-                "parameters DTensors sharded over dp, and parallelize_module can only split plain tensors. Split "
-                "over tp first, then shard over dp.")
+                "parameters DTensors sharded over dp, and parallelize_module can only split plain tensors (a "
+                "parameter that is already a DTensor over dp cannot be distributed again over tp). Split over tp "
+                "first, then shard over dp.")
     records = _probe(output)
     problem = layout_problem(records) if records else None
     return f"\nWhere it went wrong: {problem}" if problem else ""
@@ -170,12 +268,31 @@ def _mesh_problem(r: dict[str, Any]) -> str | None:
     if r["dp"] * r["tp"] != NPROC or r["tp"] != 2:
         return (f"the mesh is {r['dp']} x {r['tp']} (dp x tp); the plan needs 2 x 2: "
                 "init_device_mesh('cpu', (world_size // TP, TP), mesh_dim_names=('dp', 'tp')).")
+    groups = r.get("groups") or {}
+    tp_group, dp_group = groups.get("tp"), groups.get("dp")
+    if tp_group and tp_group != list(range(tp_group[0], tp_group[0] + len(tp_group))):
+        return (f"the mesh has its dimensions the other way round: rank {r['rank']}'s tensor-parallel group is ranks "
+                f"{tp_group} and its data-parallel group {dp_group}. On these 4 CPU processes the numbers come out "
+                "the same, but a real machine numbers its ranks node by node: consecutive ranks share a node and "
+                "its fast links, ranks apart sit on different nodes. Tensor parallelism communicates inside every "
+                f"block, forward and backward; with tp as the outer dimension its groups join ranks {tp_group} -- "
+                "with 2 GPUs per node, two nodes -- and every block's collectives cross the slowest link, while "
+                "FSDP's, fewer and larger, stay inside a node. Make tp the last (innermost) dimension of the mesh: "
+                "init_device_mesh(..., (world_size // TP, TP), mesh_dim_names=('dp', 'tp')).")
     return None
 
 
 def _placement_problem(r: dict[str, Any]) -> str | None:
     """Where the parameters live, against the plan: every one over dp, the block linears over tp too."""
     params = r["params"]
+    linear = [p for n, p in params.items() if n.endswith(LINEAR)]
+    if linear and all(p["dims"] == ["tp", "dp"] for p in linear):
+        return ("tensor parallelism ran over mesh['dp'] and FSDP over mesh['tp']: the two dimensions swapped. Every "
+                "parameter is sharded by FSDP over tp (tok_emb.weight over tp alone), and the block's linear layers "
+                "are split over dp (their tensor-parallel placement is on dp). The ranks of a dp group read "
+                "different batches, so a layer split over them combines partial results of different inputs, and "
+                "the two ranks that split the model are the ones FSDP treats as data-parallel replicas. Split the "
+                "model over mesh['tp'] (parallelize_module) and shard it over mesh['dp'] (fully_shard).")
     not_dp = [n for n, p in params.items() if "dp" not in p["dims"]]
     if not_dp:
         root = [n for n in not_dp if n in ROOT_PARAMS]
@@ -203,12 +320,15 @@ def diagnose(found: list[dict[str, Any]], expected: dict[str, dict[str, int]]) -
     if sorted(ranks) != list(range(NPROC)):
         return Verdict(False, f"only ranks {sorted(ranks)} reported; every rank must finish.")
     r0 = ranks[0]
-    for problem in (_mesh_problem(r0), _placement_problem(r0)):
-        if problem:
-            return Verdict(False, problem)
+    keys = unmatched_keys("\n".join(r0.get("skipped_keys") or []))
     fwd, bwd = _counts(r0, "forward"), _counts(r0, "backward")
     ok = all(r["ok"] for r in found)
     plan_comm = fwd == expected["forward"] and bwd == expected["backward"]
+    if keys and not (ok and plan_comm):
+        return Verdict(False, unmatched_problem(keys) + " " + _parity(found))
+    for problem in (_mesh_problem(r0), _placement_problem(r0), sequence_dim_problem(r0.get("probe") or [])):
+        if problem:
+            return Verdict(False, problem)
     if not (ok and plan_comm):
         problem = layout_problem(r0.get("probe") or [])
         if problem:

@@ -2,7 +2,7 @@
 one training step issues per mesh dimension, derived from the plan (lesson 13 checks them against
 what its lab counts).
 
-Over ``tp``, with sequence parallelism (the strategy's plan, ``parallel._tensor_parallel``), per block:
+Over ``tp``, with sequence parallelism (the strategy's plan, ``parallel._tp_plan``), per block:
 
 - forward: the LayerNorm works on this rank's slice of the sequence (``Shard(1)``); the attention
   needs the whole sequence, so it all-gathers it (``Shard(1) -> Replicate``); its column-wise ``qkv``
@@ -20,6 +20,14 @@ Over ``tp``, with sequence parallelism (the strategy's plan, ``parallel._tensor_
   ``tp`` while each rank saw a slice of the sequence: their gradients are partial sums, all-reduced over
   ``tp`` (one per tensor: 4 per block and 2 for the final LayerNorm).
 
+With the tied table sharded by vocabulary (``vocab_parallel``, the loss under ``loss_parallel``), over
+``tp`` on top of the above: in forward the embedding's lookup is a partial sum of each rank's rows,
+all-reduced (1), and the loss takes three all-reduces across the vocabulary shards -- the largest
+logit, the sum of exponentials, the target's logit (torch/distributed/tensor/parallel/loss.py,
+``_log_softmax`` and ``_nll_loss_forward``); in backward the head's input gradient is now a partial
+sum (each rank's logits came from its rows of the table), which the head's all-gather turns into a
+reduce-scatter (1). The loss's backward is local; the table's gradient stays on its rows.
+
 Without sequence parallelism the residual stream is whole on every rank of a group: each row-wise
 ``proj`` all-reduces its output (2 per block), and in backward the gradient arriving at each
 column-wise input is all-reduced (2 per block).
@@ -33,8 +41,10 @@ from __future__ import annotations
 
 
 def expected_collectives(n_layer: int, *, sequence_parallel: bool = True, dp: int = 2,
-                         reshard_after_forward: bool = True) -> dict[str, dict[str, int]]:
-    """``{"forward": {"tp:all_gather": n, ...}, "backward": {...}}`` for one step (zeros left out)."""
+                         reshard_after_forward: bool = True, vocab_parallel: bool = False) -> dict[str, dict[str, int]]:
+    """``{"forward": {"tp:all_gather": n, ...}, "backward": {...}}`` for one step (zeros left out);
+    ``vocab_parallel``: the sequence-parallel plan with the tied table sharded by vocabulary and the
+    loss under ``loss_parallel``."""
     L = n_layer
     if sequence_parallel:
         fwd = {"tp:all_gather": 2 * L + 1, "tp:reduce_scatter": 2 * L}
@@ -42,6 +52,11 @@ def expected_collectives(n_layer: int, *, sequence_parallel: bool = True, dp: in
     else:
         fwd = {"tp:all_reduce": 2 * L}
         bwd = {"tp:all_reduce": 2 * L}
+    if vocab_parallel:
+        if not sequence_parallel:
+            raise ValueError("the vocabulary-sharded plan is derived here on top of sequence parallelism")
+        fwd["tp:all_reduce"] = fwd.get("tp:all_reduce", 0) + 1 + 3  # the embedding's partial sums; the loss's three
+        bwd["tp:reduce_scatter"] += 1  # the head's input gradient: a partial sum over the vocabulary shards
     if dp > 1:
         fwd["dp:all_gather"] = L + 1
         bwd["dp:all_gather"] = L if reshard_after_forward else 0

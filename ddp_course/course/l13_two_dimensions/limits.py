@@ -9,7 +9,7 @@ says which workaround or sentence of the lesson has become stale:
 
 - :func:`tie_survives` -- ``parallelize_module`` on a tied embedding and head: does the head still hold
   the embedding's parameter afterwards? (It does not: each style replaces a module's parameter by a new
-  DTensor parameter, so ``_tensor_parallel.tensor_parallel`` re-ties them.)
+  DTensor parameter, so ``_tp_plan.tensor_parallel`` re-ties them.)
 - :func:`reduce_scatter_ops` -- what gloo runs for a reduce-scatter: the profiler's names under
   ``reduce_scatter_tensor``. (An all-reduce of the whole buffer: on gloo, sequence parallelism's
   reduce-scatters move an all-reduce's bytes; NCCL has a reduce-scatter of its own.)

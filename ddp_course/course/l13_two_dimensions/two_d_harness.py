@@ -5,9 +5,11 @@ the split model on every rank's share of the same global batches as a one-proces
 whole of them, and returns, for this rank: each step's loss against the reference, the first step's
 gradients against the reference's (parameter by parameter, the qkv rows put back in the model's
 order), the weights at the end, where each parameter lives (its mesh dimensions, placements and local
-elements), which modules are FSDP units, the bytes of parameters, gradients and AdamW state this rank
-holds, the activations autograd saved in the first forward, and the collectives of the first step by
-mesh dimension (:class:`CollectiveCounter`). :func:`report` prints one line per rank.
+elements), the ranks of this rank's group along each mesh dimension, which modules are FSDP units,
+the bytes of parameters, gradients and AdamW state this rank holds, the activations autograd saved in
+the first forward, and the collectives of the first step by mesh dimension
+(:class:`CollectiveCounter`: every collective of the mesh's groups, checked against what each group
+ran). :func:`report` prints one line per rank.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from ddp_course.course.l05_inside_ddp.ddp_common import collective_kind
 from ddp_course.course.l09_fsdp import memory
 from ddp_course.course.l11_beyond_data_parallel.pp_lab import one_process
 from ddp_course.dist import log
-from ddp_course.parallel import _tensor_parallel as tp_plan
+from ddp_course.parallel import _tensor_parallel as heads
 
 # fp32 tolerances. The split model adds the same numbers as one process in other orders (a row-wise
 # layer sums its partial products over tp, FSDP averages over dp, the loss is averaged over dp
@@ -37,15 +39,30 @@ LOSS_RTOL, GRAD_RTOL, UPDATE_RTOL = 1e-6, 1e-5, 1e-3
 
 
 class CollectiveCounter(TorchDispatchMode):
-    """Every collective op that passes PyTorch's dispatcher while active, counted as ``"<dim>:<kind>"``
-    with ``dim`` the mesh dimension of its process group (``names``: group name -> dimension name).
-    DTensor's redistributions issue functional collectives, which name their group; FSDP's go through
-    c10d's ops, which carry the group itself: both are seen, whoever issued them."""
+    """Every collective of this rank while active, counted as ``"<dim>:<kind>"``, ``dim`` the mesh
+    dimension of its process group (``groups``: dimension name -> its process group).
 
-    def __init__(self, names: dict[str, str]) -> None:
+    A dispatch mode sees each operator reach PyTorch's dispatcher -- but not what is dispatched while
+    its own handler runs: the mode is off then (torch/utils/_python_dispatch.py). So an operator on
+    DTensors is handed back to DTensor (``NotImplemented``), whose handler then runs with the mode on,
+    and the collectives it issues are seen -- DTensor's redistributions, and the all-reduces of
+    ``loss_parallel``'s vocabulary-sharded loss (torch/distributed/tensor/parallel/loss.py), issued
+    inside DTensor's handlers of the log-softmax and the NLL loss; torch's own ``CommDebugMode``
+    does the same (torch/distributed/tensor/debug/_comm_mode.py, ``__torch_dispatch__``). FSDP's
+    collectives go through c10d's operators, which carry the group itself.
+
+    And the counts are checked against the wire: each process group numbers the collectives its
+    backend runs (``ProcessGroup._get_sequence_number_for_group``, the number the flight recorder
+    logs as ``collective_seq_id``). On exit, what a group ran and the counter did not see is counted
+    as ``"<dim>:unseen"``, so a table held against the counts cannot be short of a collective.
+    """
+
+    def __init__(self, groups: dict[str, Any]) -> None:
         super().__init__()
-        self.names = names
+        self.groups = groups
+        self.names = {g.group_name: d for d, g in groups.items()}
         self.counts: dict[str, int] = {}
+        self._start: dict[str, int] = {}
 
     def _dim(self, args: tuple) -> str:
         for a in args:
@@ -57,16 +74,33 @@ class CollectiveCounter(TorchDispatchMode):
         return "other"
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch.distributed.tensor import DTensor
+
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented  # DTensor runs its handler with this mode on: what it issues is seen
         kind = collective_kind(func)
         if kind is not None:
             key = f"{self._dim(tuple(args) + tuple((kwargs or {}).values()))}:{kind}"
             self.counts[key] = self.counts.get(key, 0) + 1
         return func(*args, **(kwargs or {}))
 
+    def __enter__(self):
+        self._start = {d: g._get_sequence_number_for_group() for d, g in self.groups.items()}
+        return super().__enter__()
 
-def group_names(mesh) -> dict[str, str]:
-    """Each named dimension's process group name -> the dimension's name."""
-    return {mesh[d].get_group().group_name: d for d in mesh.mesh_dim_names}
+    def __exit__(self, *exc):
+        out = super().__exit__(*exc)
+        for d, g in self.groups.items():
+            ran = g._get_sequence_number_for_group() - self._start[d]
+            seen = sum(n for k, n in self.counts.items() if k.split(":")[0] == d)
+            if ran != seen:
+                self.counts[f"{d}:unseen"] = ran - seen
+        return out
+
+
+def mesh_groups(mesh) -> dict[str, Any]:
+    """Each named dimension of ``mesh`` -> its process group (this rank's group along it)."""
+    return {d: mesh[d].get_group() for d in mesh.mesh_dim_names}
 
 
 def full(t: torch.Tensor) -> torch.Tensor:
@@ -78,7 +112,7 @@ def full(t: torch.Tensor) -> torch.Tensor:
 
 def natural(named: dict[str, torch.Tensor], n_embd: int, tp: int) -> dict[str, torch.Tensor]:
     """Whole tensors with the qkv rows in the model's own order (every rank: collectives)."""
-    return tp_plan.natural_rows({n: full(t) for n, t in named.items()}, n_embd, tp)
+    return heads.natural_rows({n: full(t) for n, t in named.items()}, n_embd, tp)
 
 
 def rel(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -177,6 +211,32 @@ def probe_layouts(model: nn.Module, seq: int):
             sys.stdout.flush()
 
 
+@contextlib.contextmanager
+def plan_warnings():
+    """The warnings ``parallelize_module`` gives while active for a plan key that names no module
+    ("Parallelize plan key ... could not be resolved", torch/distributed/tensor/parallel/api.py), kept
+    in the list this yields (each text once); every warning is shown as usual, once, also when the
+    block raises."""
+    import warnings
+
+    kept: list[str] = []
+    caught: list = []
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            yield kept
+    finally:
+        shown: set[str] = set()
+        for w in caught:
+            text = str(w.message)
+            if text in shown:
+                continue
+            shown.add(text)
+            if "could not be resolved" in text:
+                kept.append(text)
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+
+
 def train_side_by_side(make_model: Callable[[], nn.Module], parallelize: Callable, mesh, info, *, tp: int,
                        batch_size: int, steps: int, lr: float, seed: int, data: list | None = None,
                        loss_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
@@ -184,14 +244,15 @@ def train_side_by_side(make_model: Callable[[], nn.Module], parallelize: Callabl
     """Train ``parallelize(make_model(), mesh)`` on this rank's share of each global batch, and
     ``make_model()`` on the whole of it in this process; every number of the module docstring.
     ``data``: the global batches (default: ``steps`` batches of random tokens, seeded)."""
-    tp_plan.quiet_sequential_redistribution()  # the weights and gradients made whole below, over both dims
+    heads.quiet_sequential_redistribution()  # the weights and gradients made whole below, over both dims
     model0 = make_model()
     cfg = model0.cfg
     data = data if data is not None else global_batches(cfg.vocab_size, cfg.block_size, batch_size, steps, seed)
     init = {n: p.detach().clone() for n, p in model0.named_parameters()}
     ref = reference(model0, data, lr)
     dp_rank, dp = mesh["dp"].get_local_rank(), mesh["dp"].size()
-    model = parallelize(make_model(), mesh)
+    with plan_warnings() as skipped:
+        model = parallelize(make_model(), mesh)
     placed, units = where(model), fsdp_units(model)
     from torch.distributed.fsdp import FSDPModule
 
@@ -211,7 +272,7 @@ def train_side_by_side(make_model: Callable[[], nn.Module], parallelize: Callabl
         # this rank's share, as a data loader would hand it (a copy: a slice would keep the whole batch alive)
         xs, ys = x[dp_rank * per:(dp_rank + 1) * per].clone(), y[dp_rank * per:(dp_rank + 1) * per].clone()
         first = step == 0
-        fwd, bwd = CollectiveCounter(group_names(mesh)), CollectiveCounter(group_names(mesh))
+        fwd, bwd = CollectiveCounter(mesh_groups(mesh)), CollectiveCounter(mesh_groups(mesh))
         # the activations are measured in the second forward, away from the counter (a dispatch mode
         # changes which views autograd sees): the same tensors as the first, of the same sizes
         measure = step == min(1, len(data) - 1)
@@ -241,9 +302,10 @@ def train_side_by_side(make_model: Callable[[], nn.Module], parallelize: Callabl
     moved = {n: weights[n] - init[n] for n in weights if n in init}
     want = {n: ref["weights"][n] - init[n] for n in init}
     out.update(rank=info.rank, world_size=info.world_size, dp=dp, tp=mesh["tp"].size(), dp_rank=dp_rank,
-               losses=losses, reference_losses=ref["losses"],
+               groups={d: [int(r) for r in mesh[d].mesh.flatten().tolist()] for d in mesh.mesh_dim_names},
+               mesh_dims=list(mesh.mesh_dim_names), losses=losses, reference_losses=ref["losses"],
                loss_rel_diff=max(abs(a - b) / b for a, b in zip(losses, ref["losses"])),
-               update_rel_diff=rel(moved, want), params=placed, fsdp_units=units, probe=probed,
+               update_rel_diff=rel(moved, want), params=placed, fsdp_units=units, probe=probed, skipped_keys=skipped,
                full_bytes=sum(t.numel() * t.element_size() for t in init.values()))
     out["ok"] = out["loss_rel_diff"] <= LOSS_RTOL and out["grad_rel_err"] <= GRAD_RTOL and out["update_rel_diff"] <= UPDATE_RTOL
     return out

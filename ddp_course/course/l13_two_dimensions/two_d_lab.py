@@ -4,7 +4,7 @@
 
 The ranks form a 2-D mesh ``(dp, tp)`` (2 x 2 on 4 ranks, ``--tp=2``): rows of ``tp`` consecutive ranks
 are tensor-parallel groups, which read the same batch; the ``dp`` groups read different halves of the
-global batch. Each variant splits MiniGPT over the mesh with ``ddp_course.parallel._tensor_parallel``
+global batch. Each variant splits MiniGPT over the mesh with ``ddp_course.parallel._tp_plan``
 (the plan of ``--strategy=fsdp_tp``), trains ``--steps`` AdamW steps on the same global batches as one
 process, and records on every rank:
 
@@ -44,7 +44,7 @@ from ddp_course.course.l13_two_dimensions.two_d_harness import (
 from ddp_course.course.options import lab_help, write_result
 from ddp_course.dist import log, setup
 from ddp_course.model import GPTConfig, MiniGPT
-from ddp_course.parallel import _tensor_parallel as tp_plan
+from ddp_course.parallel import _tp_plan as tp_plan
 
 PROG = "torchrun --standalone --nproc_per_node=4 -m ddp_course.course.l13_two_dimensions.two_d_lab"
 DEFAULTS: dict[str, Any] = {
