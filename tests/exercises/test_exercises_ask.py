@@ -39,8 +39,9 @@ SCRIPTS = sorted(check.exercises())
 # The phrases that state the answer of each exercise done inside a notebook (record name -> phrases).
 NOTEBOOK_GIVEAWAYS: dict[str, tuple[str, ...]] = {
     "01_causal_attention": ("masked_fill(mask", "softmax(att"),
-    "03_my_reduce": ("reduce_gradients(replicas)",),
-    "07_amp_step": ("unscale_ before clipping", "clip after `unscale_`"),
+    "03_my_reduce": ("reduce_gradients(replicas)", "dpm.reduce_gradients"),
+    "07_amp_step": ("unscale_ before clipping", "clip after `unscale_`", "unscale, then clip", "clip the true gradients",
+                    "unscale_ first"),
     "12_answer_a": ("gave up in all_reduce", "gave up in barrier", "optype=allreduce", "optype=barrier", "in_collective"),
     "12_answer_b": ("written for a 4-gpu machine", "4-gpu", "world_size=4", "asked_world_size"),
     "12_answer_c": ("the same data seed on every rank", "same_seed", "first batch windows",
