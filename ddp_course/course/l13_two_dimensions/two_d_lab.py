@@ -14,8 +14,9 @@ process, and records on every rank:
 - **bytes** this rank holds: parameters, gradients, AdamW's state (``memory.measure_states``), and the
   activations autograd saved during the first forward (``memory.saved_activations``);
 - **collectives** of the first step, forward and backward apart, by kind and by mesh dimension
-  (:class:`CollectiveCounter`: every collective that reaches PyTorch's dispatcher, whoever issued it --
-  DTensor's redistributions, FSDP's all-gathers and reduce-scatters).
+  (``two_d_harness.CollectiveCounter``: DTensor's redistributions and the collectives its handlers issue,
+  ``loss_parallel``'s included, FSDP's all-gathers and reduce-scatters -- checked against what each
+  process group of the mesh ran).
 
 The variants (``VARIANTS``): ``sp`` (sequence parallelism for the norms and the residual stream, the
 strategy's plan), ``no_sp`` (the residual stream replicated inside a group: row-wise outputs
