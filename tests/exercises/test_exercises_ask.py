@@ -116,6 +116,9 @@ DELEGATING = [
     ("14_expert_dispatch", "dispatch",
      "    import ddp_course.course.l14_sequences_and_experts.experts as E\n"
      "    return E.dispatch(slots, counts, group)\n"),
+    ("13_two_d_plan", "parallelize",
+     "    from ddp_course.parallel._tp_plan import tensor_parallel\n"
+     "    tensor_parallel(model, mesh['tp'])\n    return model\n"),
     ("04_ddp_convert", "mean_over_ranks",
      "    from ddp_course.course.l04_ddp.ddp_recipe import mean_over_ranks as m\n"
      "    return m(loss, world_size)\n"),

@@ -4,7 +4,8 @@
   parameter names, size) before passing it on to the real hook -- so it counts all-reduces per step.
 - :func:`collective_kind`: which collective a dispatched operator issues, however it was called
   (``c10d``'s operators or the functional collectives'); exercise 05's log uses it too, and so does
-  the 2-D lab's counter (``l13_two_dimensions.two_d_harness``).
+  lesson 13's counter (``l13_two_dimensions.two_d_harness.CollectiveCounter``), which also counts what
+  DTensor issues inside its own operator handlers.
 - :class:`CollectiveCounter`: sees every collective issued inside its ``with`` block -- DDP's own
   all-reduces included -- with its dtype and bytes: the traffic, measured.
 - :func:`ring_bytes_sent`: what one rank sends over the network for a collective of a given payload.
@@ -75,11 +76,14 @@ def collective_kind(func) -> str | None:
     """The collective a dispatched operator issues ("all_reduce", "all_gather", "reduce_scatter",
     "broadcast" or "all_to_all"), or None for any other operator.
 
-    Every collective reaches PyTorch's dispatcher as an operator, which a dispatch mode sees whoever
-    issued it: ``dist.all_reduce`` (whatever name it is called by) and DDP's C++ reducer reach
+    Every collective reaches PyTorch's dispatcher as an operator, which a dispatch mode sees when it is
+    issued on plain tensors: ``dist.all_reduce`` (whatever name it is called by) and DDP's C++ reducer reach
     ``c10d.allreduce_``; ``torch.distributed._functional_collectives`` (and DTensor, FSDP2's
     redistributions) reach ``_c10d_functional.all_reduce`` or ``all_reduce_``, whose result is then
-    waited on with ``_c10d_functional.wait_tensor`` (not a collective: None).
+    waited on with ``_c10d_functional.wait_tensor`` (not a collective: None). What DTensor issues from
+    inside its own operator handlers is not seen by a mode that lets DTensor's operators through
+    unopened; lesson 13's counter hands them back to DTensor to see those (its test shows the difference:
+    ``loss_parallel``'s three all-reduces).
     """
     if func.namespace not in COLLECTIVE_NAMESPACES:
         return None
