@@ -80,10 +80,10 @@ def collective_kind(func) -> str | None:
     issued on plain tensors: ``dist.all_reduce`` (whatever name it is called by) and DDP's C++ reducer reach
     ``c10d.allreduce_``; ``torch.distributed._functional_collectives`` (and DTensor, FSDP2's
     redistributions) reach ``_c10d_functional.all_reduce`` or ``all_reduce_``, whose result is then
-    waited on with ``_c10d_functional.wait_tensor`` (not a collective: None). What DTensor issues from
-    inside its own operator handlers is not seen by a mode that lets DTensor's operators through
-    unopened; lesson 13's counter hands them back to DTensor to see those (its test shows the difference:
-    ``loss_parallel``'s three all-reduces).
+    waited on with ``_c10d_functional.wait_tensor`` (not a collective: None). A mode that runs an
+    operator on DTensors itself runs DTensor's handler with the mode off, so it does not see what DTensor
+    issues there; lesson 13's counter hands those operators back to DTensor (``NotImplemented``) and sees
+    them (its test shows the difference: ``loss_parallel``'s three all-reduces).
     """
     if func.namespace not in COLLECTIVE_NAMESPACES:
         return None
