@@ -2,8 +2,8 @@
 
 Complete ``shard`` so that the model is sharded over the ranks of ``mesh`` the way the course's
 ``strategy=fsdp`` does it: one FSDP unit per transformer block (so that one block at a time is
-gathered in full), then the root, which takes what is left (the embeddings, tied with the output
-head, and the final LayerNorm). ``fully_shard`` changes the module in place and returns it.
+gathered in full), and one for the root, with the embeddings (tied with the output head) and the
+final LayerNorm. ``fully_shard`` changes the module in place and returns it.
 
 Run it (from the repository root):
 
@@ -44,8 +44,9 @@ TOLERANCE = LR / 100
 
 
 def shard(model: MiniGPT, mesh: DeviceMesh) -> nn.Module:
-    """Shard ``model`` over ``mesh`` with fully_shard: each of ``model.blocks``, then the model itself."""
-    # TODO: make each transformer block an FSDP unit over mesh, then the whole model; return it
+    """Shard ``model`` over ``mesh`` with fully_shard: one unit per block of ``model.blocks`` and one for the
+    root (the model itself). Returns the model."""
+    # TODO: the FSDP units over mesh: every transformer block, and the model itself; return the model
     raise NotImplementedError("exercise: complete this part")
 
 

@@ -64,3 +64,14 @@ def test_grader_names_blocks_sharded_as_one_unit_by_what_the_forward_gathers(tmp
                    "fully_shard(block, mesh=mesh) on each block by itself"):
         assert phrase in verdict.message, verdict.message
     assert all(r["units"] == {"root": True, "blocks": [True, True]} for r in verdict.records)  # what isinstance sees
+
+
+def test_an_answer_that_calls_the_course_strategy_is_refused_without_a_job(tmp_path):
+    """The course's --strategy=fsdp (parallel.fsdp.wrap, printed after the grading cell) is the answer: the
+    grader lists it in DELEGATES and refuses a shard() that hands its work to it, before any job."""
+    from ddp_course.check import grade
+
+    body = ("    from ddp_course.parallel import fsdp\n"
+            "    return fsdp.wrap(model, None, None)\n")
+    verdict = grade("09_fsdp", exercise_attempt(tmp_path, "09_fsdp.py", "shard", body))
+    assert not verdict.ok and "hands its work to the course's own version, ddp_course.parallel.fsdp.wrap" in verdict.message

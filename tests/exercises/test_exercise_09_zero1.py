@@ -239,3 +239,15 @@ def test_shard_optimizer_takes_another_optimizer_class_and_refuses_parameter_gro
     script = grader_zero1._load_script(solution)
     with pytest.raises(TypeError, match="not parameter groups"):
         script.shard_optimizer([{"params": [torch.nn.Parameter(torch.zeros(2))]}], [[0]], 0)
+
+
+def test_a_partition_that_calls_the_calculators_is_refused_without_a_job(tmp_path):
+    """The lesson's calculator keeps the same greedy partition (memory.zero1_partition, imported by the
+    notebook's first cells): the grader lists it in DELEGATES and refuses a partition() that hands its work
+    to it, before any job."""
+    from ddp_course.check import grade
+
+    body = ("    from ddp_course.course.l09_fsdp import memory\n"
+            "    return memory.zero1_partition(sizes, world_size)\n")
+    verdict = grade("09_zero1", exercise_attempt(tmp_path, "09_zero1.py", "partition", body))
+    assert not verdict.ok and "ddp_course.course.l09_fsdp.memory.zero1_partition" in verdict.message

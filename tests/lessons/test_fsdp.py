@@ -248,3 +248,42 @@ def test_the_refused_fsdp1_hybrid_really_does_not_synchronise(lab2):
 # --- exercise 09 -------------------------------------------------------------------------------------
 
 # every block becomes an FSDP module, but all in ONE unit: gathered together, in one all-gather
+
+
+def _cell(marker: str) -> tuple[int, list]:
+    """(index, cells) of the one code cell of solutions/09_fsdp.ipynb that contains ``marker``."""
+    from harness import ROOT
+
+    cells = json.loads((ROOT / "solutions" / "09_fsdp.ipynb").read_text(encoding="utf-8"))["cells"]
+    found = [i for i, c in enumerate(cells) if c["cell_type"] == "code" and marker in "".join(c["source"])]
+    assert len(found) == 1, found
+    return found[0], cells
+
+
+def test_fsdp_bytes_against_ddp_are_counted_for_this_lessons_model(capsys):
+    """Lesson 09 once said FSDP moves "three halves of DDP's bytes -- lesson 11's table computes it for this
+    model": lesson 11's table is for another model (4 blocks, 0.81 M parameters), and its GPT-2-size row
+    says 1.34x, since the root is gathered once. Now a cell counts it for lesson 09's own model from the
+    trace's units (the root gathered once, each block twice, every unit reduce-scattered once) and the
+    calculator's parameter table; the prose after it states the ratio the cell printed. A trace in which the
+    root were gathered twice fails the cell."""
+    import re
+    from unittest import mock
+
+    index, cells = _cell("fsdp_vs_ddp")
+    source = "".join(cells[index]["source"])
+    shape = {"vocab_size": 65, "block_size": 32, "n_layer": 2, "n_head": 4, "n_embd": 128}
+    ranges = ["FSDP::all_gather", "FSDP::all_gather (blocks.0)", "FSDP::all_gather (blocks.1)",
+              "FSDP::all_gather (blocks.1)", "FSDP::all_gather (blocks.0)", "FSDP::post_backward_reduce (blocks.1)",
+              "FSDP::post_backward_reduce (blocks.0)", "FSDP::post_backward_reduce", "FSDP::post_forward"]
+    trace = {"fsdp": [{"name": n} for n in ranges]}
+    exec(compile(source, "<cell>", "exec"), {"memory": memory, "SHAPE": shape, "trace": trace, "plt": mock.MagicMock()})
+    ratio = re.search(r"FSDP sends (\d\.\d+)x DDP's bytes", capsys.readouterr().out).group(1)
+    saved = "".join("".join(o.get("text", [])) for o in cells[index]["outputs"])
+    assert f"FSDP sends {ratio}x DDP's bytes" in saved  # the notebook's run printed the same
+    assert f"FSDP sends {ratio}x DDP's bytes here" in "".join(cells[index + 1]["source"])
+    prose = " ".join("".join(c["source"]) for c in cells if c["cell_type"] == "markdown")
+    assert "three halves of DDP's bytes" not in prose and "computes it for this model" not in prose
+    twice = {"fsdp": trace["fsdp"] + [{"name": "FSDP::all_gather"}]}
+    with pytest.raises(AssertionError):
+        exec(compile(source, "<cell>", "exec"), {"memory": memory, "SHAPE": shape, "trace": twice})

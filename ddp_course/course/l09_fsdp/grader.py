@@ -27,6 +27,13 @@ from ddp_course.check import Verdict, judged, run_exercise
 from ddp_course.check.reference import harness_constants
 
 EXERCISE = "09_fsdp.py"  # the script this grades: lessons/exercises/09_fsdp.py
+# The course's own version of the answer: the strategy's wrap (printed after the grading cell).
+DELEGATES = ("ddp_course.parallel.fsdp.wrap",)
+# What would state the answer before it is graded (tests/exercises/test_exercises_ask.py): the order of the
+# calls (the blocks first, the root last) and why (a unit takes what no unit below it has taken).
+GIVEAWAYS = ("then the root", "then the model itself", "then the whole model", "fully_shard is applied bottom-up",
+             "the root takes what is left", "which takes what is left", "sharded last", "after the blocks",
+             "before the root")
 
 NPROC = 2
 BALANCE_TOL = 0.05  # vocabulary rows (65) do not split evenly: a few hundred bytes of ~70 kB

@@ -31,6 +31,12 @@ from ddp_course.check.reference import harness_constants
 from ddp_course.course.l09_fsdp.grader import NORM_RTOL, reference_norms
 
 EXERCISE = "09_zero1.py"
+# The course's own version of partition: the calculator's (lesson 09's memory tables use it).
+DELEGATES = ("ddp_course.course.l09_fsdp.memory.zero1_partition",)
+# What would state the answer before it is graded (tests/exercises/test_exercises_ask.py): the greedy
+# rule of the partition, and the two collectives' lines.
+GIVEAWAYS = ("largest first", "from the largest down", "biggest items first", "the fewest elements so far",
+             "into the emptiest bin", "sorted greedy", "dist.reduce(grad", "dist.broadcast(params[i]")
 NPROC = 2
 # One process on the concatenated batch vs 2 ranks averaging: the same sum in another order, last-bit
 # differences (~1e-7 per gradient norm). A sum left undivided is off by a factor N, a rank's own
