@@ -10,13 +10,10 @@ ranks; rank r holds the r-th block of H/N of them, in ``torch.chunk`` order (uni
   per input feature) of its hidden units, and computes a *partial* output; the N partial outputs must
   be summed (an all-reduce), and ``proj.bias`` added once, after the sum.
 
-Two small autograd functions place the collectives (Megatron-LM calls them f and g):
-
-- f, ``CopyToParallelRegion``, before ``fc``: identity in forward (every rank already has the whole
-  input); in backward, all-reduce the input's gradient: each rank's ``fc`` only gives the share of it
-  that flows through its own hidden units;
-- g, ``ReduceFromParallelRegion``, after ``proj``: all-reduce in forward (the sum of the partial
-  outputs); identity in backward (the output's gradient is already whole on every rank).
+Two small autograd functions place the collectives (Megatron-LM calls them f and g): f,
+``CopyToParallelRegion``, before ``fc``, and g, ``ReduceFromParallelRegion``, after ``proj``. Each is
+the identity in one direction and an all-reduce (a sum over the ranks) in the other: which, is yours
+to work out from what each rank holds on either side of them, going forward and coming back.
 
 Complete the two functions' ``forward`` and ``backward``, the two slicing functions and
 ``TensorParallelMLP.forward``, then run it (from the repository root):
@@ -41,7 +38,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ddp_course.course.l11_beyond_data_parallel.tp_lab import biased_model, hidden_block
+from ddp_course.course.l11_beyond_data_parallel.biased import biased_model
 from ddp_course.course.tiny import micro_batch
 from ddp_course.dist import log, setup
 from ddp_course.model import MLP
@@ -57,17 +54,17 @@ TOLERANCE = 1e-5
 
 
 class CopyToParallelRegion(torch.autograd.Function):
-    """f: identity in forward; all-reduce (sum) of the input's gradient over the ranks in backward."""
+    """f, before the column-parallel ``fc``: its input is the MLP's input, the same on every rank."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor) -> torch.Tensor:
-        # BEGIN SOLUTION hint: f's forward: every rank already holds the whole input; nothing to communicate
+        # BEGIN SOLUTION hint: f's forward: x is the MLP's input, the same on every rank
         return x
         # END SOLUTION
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
-        # BEGIN SOLUTION hint: sum the input's gradient over the ranks (each rank holds only its hidden units' share); return the sum
+        # BEGIN SOLUTION hint: f's backward: grad is what flowed back through this rank's own hidden units
         grad = grad.clone()  # never change autograd's tensor in place
         dist.all_reduce(grad, op=dist.ReduceOp.SUM)
         return grad
@@ -75,11 +72,11 @@ class CopyToParallelRegion(torch.autograd.Function):
 
 
 class ReduceFromParallelRegion(torch.autograd.Function):
-    """g: all-reduce (sum) of the partial outputs in forward; identity in backward."""
+    """g, after the row-parallel ``proj``: its input is this rank's partial output."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor) -> torch.Tensor:
-        # BEGIN SOLUTION hint: sum the ranks' partial outputs, without changing the input tensor; every rank gets the total
+        # BEGIN SOLUTION hint: g's forward: x is this rank's partial output
         total = x.clone()
         dist.all_reduce(total, op=dist.ReduceOp.SUM)
         return total
@@ -87,7 +84,7 @@ class ReduceFromParallelRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
-        # BEGIN SOLUTION hint: g's backward: every rank already holds the whole gradient of the output
+        # BEGIN SOLUTION hint: g's backward: grad is the gradient of g's output, as this rank received it
         return grad
         # END SOLUTION
 
@@ -152,13 +149,11 @@ class TensorParallelMLP(nn.Module):
         # END SOLUTION
 
 
-def expected_slice(name: str, full: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
-    """The part of the one-process tensor ``name`` that this rank's parameter of that name holds."""
-    if ".mlp.fc." in name:
-        return full[hidden_block(full.shape[0], rank, world_size)]  # rows of fc.weight, entries of fc.bias
-    if name.endswith(".mlp.proj.weight"):
-        return full[:, hidden_block(full.shape[1], rank, world_size)]  # columns of proj.weight
-    return full  # everything else is whole on every rank, proj.bias included
+def expected_slice(full: torch.Tensor, held: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
+    """The part of the one-process tensor ``full`` that this rank's parameter ``held`` stands for: this rank's
+    block (torch.chunk order) along the one dimension in which ``held`` is smaller; ``full`` if none is."""
+    smaller = [d for d in range(full.dim()) if held.shape[d] != full.shape[d]]
+    return full.chunk(world_size, smaller[0])[rank] if smaller else full
 
 
 def rel_diff(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -191,7 +186,7 @@ def main() -> None:
             sys.stdout.flush()
             raise SystemExit(1) from None
         full = dict(single.named_parameters())
-        shards = {n: torch.equal(p.detach(), expected_slice(n, full[n].detach(), rank, world))
+        shards = {n: torch.equal(p.detach(), expected_slice(full[n].detach(), p, rank, world))
                   for n, p in tp.named_parameters() if ".mlp." in n}
 
         x, y = micro_batch(0, 0, micro_batch_size=BATCH, block_size=SHAPE["block_size"], seed=SEED)  # same on every rank
@@ -202,7 +197,7 @@ def main() -> None:
         logits_diff = rel_diff(logits_tp.detach(), logits_1.detach())
         grads = {}
         for name, p in tp.named_parameters():
-            want = expected_slice(name, full[name].grad, rank, world)
+            want = expected_slice(full[name].grad, p, rank, world)
             grads[name] = {"norm": None if p.grad is None else p.grad.norm().item(),
                            "rel_diff": None if p.grad is None else rel_diff(p.grad, want)}
 

@@ -189,3 +189,16 @@ def test_a_bias_added_on_rank_0_only_is_named_not_taken_for_copies():
             if name.endswith(".mlp.proj.bias"):
                 r["grads"][name] = {"norm": None, "rel_diff": None}
     assert "not with copies of them" in grader.diagnose(rows, constants()).message
+
+
+@pytest.mark.parametrize("module", ["ddp_course.course.l11_beyond_data_parallel.tp_lab", "ddp_course.parallel._tensor_parallel"])
+def test_shards_cut_with_the_labs_hidden_block_are_refused_without_a_job(tmp_path, module):
+    """The script used to import ``hidden_block`` from the lab, which returns a rank's slice of the hidden units:
+    column_shard and row_shard, done. The script no longer imports it (its model comes from ``biased``), and a
+    shard that hands its work to it, reached through the lab or its source, is refused before any job."""
+    body = (f"    from {module} import hidden_block\n"
+            "    block = hidden_block(fc.out_features, rank, world_size)\n"
+            "    return fc.weight[block], fc.bias[block]\n")
+    verdict = check.grade("11", exercise_attempt(tmp_path, NAME, "column_shard", body))
+    assert not verdict.ok and "ddp_course.parallel._tensor_parallel.hidden_block" in verdict.message, verdict.message
+    assert "hidden_block" not in (ROOT / "lessons" / "exercises" / NAME).read_text(encoding="utf-8")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import notebook_runs
 import pytest
@@ -271,3 +272,23 @@ def test_table_lists_every_layout():
     text = plan.table(rows, "KiB")
     assert all(r.name in text for r in rows) and "KiB" in text
     assert plan.as_dicts(rows)[0]["total"] == rows[0].total
+
+
+# --- section 5: parameter servers and stale gradients --------------------------------------------------------
+
+def test_the_staleness_verdict_is_the_one_the_printed_distances_give(capsys):
+    """Lesson 11 once read its staleness lines as "a few updates of delay slow convergence down and more make
+    it ... diverge", while two updates of delay already ended 8.37e+02 from the optimum, from a start at 5. The
+    cell now asserts what the text says (one update: converging, more slowly; two: farther than the start),
+    and the text quotes the distances the cell prints."""
+    from harness import ROOT
+
+    cells = json.loads((ROOT / "solutions" / "11_beyond_data_parallel.ipynb").read_text(encoding="utf-8"))["cells"]
+    i = next(i for i, c in enumerate(cells) if c["cell_type"] == "code" and "def sgd_with_staleness" in "".join(c["source"]))
+    exec(compile("".join(cells[i]["source"]), "<cell>", "exec"), {"torch": torch})
+    printed = dict(re.findall(r"gradients (\d) update\(s\) stale: distance to the optimum after 60 updates = (\S+)",
+                              capsys.readouterr().out))
+    text = " ".join("".join(cells[i + 1]["source"]).split())
+    assert f"one update of delay already slows convergence down ({printed['1']}" in text
+    assert f"against {printed['0']}" in text and f"two already make it diverge: {printed['2']}" in text
+    assert "a few updates of delay slow convergence down" not in text

@@ -4,7 +4,7 @@ Runs the script with torchrun on 2 processes. Every rank reports its shards' sha
 that was wrong), whether each shard holds the rank's block of the full weights, the loss of one
 forward on the exercise's batch, the norm of the gradient of each of its parameters (a shard's for
 the MLP's), and the losses of a few SGD steps. The grader computes all of these itself, in this
-process, on one unsplit model built from the same seed (``tp_lab.biased_model``) and the same
+process, on one unsplit model built from the same seed (``biased.biased_model``) and the same
 batches, and compares. When they differ, it names the mistake by what it measured:
 
 - a shard of the wrong shape: the weight sliced along the wrong dimension (rows vs columns);
@@ -26,6 +26,14 @@ from pathlib import Path
 from ddp_course.check import Nearest, Verdict, nearest, run_exercise
 
 EXERCISE = "11_tensor_parallel.py"
+# The course's own version of the shards: the lab's slice of a rank's hidden units (tp_lab re-exports it).
+DELEGATES = ("ddp_course.parallel._tensor_parallel.hidden_block",)
+# What would state the answer before it is graded (tests/exercises/test_exercises_ask.py): which direction of f
+# and of g communicates (the table after the grading cell), and the shards' lines.
+GIVEAWAYS = ("all-reduce of the gradient of x", "all-reduce the input's gradient", "all-reduce (sum) of the input's gradient",
+             "identity in forward", "identity in backward", "f's backward sums", "every rank already holds the whole input",
+             "every rank already holds the whole gradient", "every rank already has the whole gradient",
+             "chunk(world_size, dim=0)", "chunk(world_size, dim=1)", "w.chunk(2, dim=0)", "w.chunk(2, dim=1)")
 NPROC = 2
 # One process and 2 ranks add the same float32 terms in another grouping (each rank sums over its
 # hidden units, the all-reduce adds the ranks). Measured, relative to the grader's own values: the
@@ -58,7 +66,7 @@ def harness_constants(path: str | Path) -> dict:
 
 
 def _setup(constants: dict):
-    from ddp_course.course.l11_beyond_data_parallel.tp_lab import biased_model
+    from ddp_course.course.l11_beyond_data_parallel.biased import biased_model
     from ddp_course.course.tiny import micro_batch
 
     shape, batch, seed = constants["SHAPE"], constants["BATCH"], constants["SEED"]

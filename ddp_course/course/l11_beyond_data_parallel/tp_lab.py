@@ -26,8 +26,8 @@ of one training step's forward and backward (``CommDebugMode``) and each rank's 
 ``--device=auto`` (default) uses one GPU per rank with NCCL when every rank has one, else the CPU with
 gloo. Rank 0 writes ``tp_lab.json`` into ``--out_dir``. Options are ``--key=value`` (``--help``).
 
-Exercise 11 (``exercises/11_tensor_parallel.py``, the MLP split by hand) and its grader reuse
-``biased_model`` and ``hidden_block`` from here.
+Exercise 11 (``exercises/11_tensor_parallel.py``, the MLP split by hand) builds its model with
+``biased.biased_model`` and does not import this module: ``hidden_block`` is the slicing it asks for.
 """
 
 from __future__ import annotations
@@ -43,11 +43,10 @@ import torch.nn as nn
 
 from ddp_course.cli import FlagError, command, parse_flags
 from ddp_course.course.options import lab_help, require_device
-from ddp_course.course.tiny import tiny_model
 from ddp_course.dist import log, setup
 from ddp_course.metrics import write_json
 from ddp_course.model import GPTConfig, MiniGPT
-from ddp_course.parallel._tensor_parallel import (  # noqa: F401 -- exercise 11 and its grader import them from here
+from ddp_course.parallel._tensor_parallel import (  # noqa: F401 -- the grader and the tests import them from here
     HeadParallelAttention,
     hidden_block,
     qkv_order,
@@ -68,23 +67,6 @@ HELP = lab_help("tp_lab", DEFAULTS, steps="AdamW steps, tensor-parallel and one 
                 n_head="attention heads (a multiple of the number of ranks)",
                 n_embd="model width (its heads and 4 x n_embd hidden units split evenly over the ranks)",
                 batch_size="sequences per step (every rank the same)", seed="model initialisation and batch order")
-
-
-# --------------------------------------------------------------------------------------------------
-# pieces shared with exercise 11 and its grader
-
-def biased_model(seed: int = 0, **shape: int) -> MiniGPT:
-    """``tiny_model(seed, **shape)`` with the bias of every linear layer drawn at random (std 0.02), the same in every process.
-
-    MiniGPT starts with zero biases, which would hide a bias added on every rank instead of once.
-    """
-    model = tiny_model(seed, **shape)
-    g = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for m in model.modules():
-            if isinstance(m, nn.Linear) and m.bias is not None:
-                m.bias.copy_(0.02 * torch.randn(m.bias.shape, generator=g))
-    return model
 
 
 # --------------------------------------------------------------------------------------------------
