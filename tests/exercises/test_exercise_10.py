@@ -190,3 +190,23 @@ def test_dataloader_argument_errors_are_named_from_its_own_messages():
     with pytest.raises(AttributeError) as err:
         DataLoader(data, shuffle=True).sampler.set_epoch(1)
     assert "no DistributedSampler" in grader._crash_hint(str(err.value))
+
+
+def test_the_untuned_loader_is_built_for_its_epoch():
+    """The harness once called ``untuned.sampler.set_epoch(epoch)`` beside ``start_epoch(tuned, epoch)``: the
+    line start_epoch asks for, in plain sight. The untuned loader is now built for each epoch (no workers, so
+    at no cost), and gives that epoch's order of this rank's shard, a new one each epoch."""
+    from torch.utils.data import DistributedSampler
+
+    from ddp_course.course.l10_scaling.slow_storage import SlowStorage, untuned_loader
+
+    data = SlowStorage(12, 0.0, 0.0)
+    orders = []
+    for epoch in range(3):
+        want = DistributedSampler(data, num_replicas=2, rank=1, shuffle=True, seed=7)
+        want.set_epoch(epoch)
+        got = [b["index"].tolist() for b in untuned_loader(data, 3, 1, 2, 7, epoch)]
+        assert sum(got, []) == list(want)
+        orders.append(got)
+    assert orders[0] != orders[1] != orders[2]
+    assert "set_epoch" not in (ROOT / "lessons" / "exercises" / "10_dataloader.py").read_text(encoding="utf-8")

@@ -77,8 +77,9 @@ DEFAULTS: dict[str, Any] = {
 # Loss tolerance between a compiled and the eager run: compiled code may reorder float32 sums
 # (fused kernels, decomposed LayerNorm backward), ~1e-6 relative per step on losses of ~4 (the lab
 # prints each variant's gap); 1e-4 leaves a wide margin above it. It is no test of the averaging: a
-# gradient summed instead of averaged changes AdamW's step by next to nothing (the step is about lr
-# whatever the gradient's size, lesson 04 section 6), which is why the lab also compares the replicas.
+# gradient summed instead of averaged is every gradient scaled by the world size, and AdamW's step does
+# not change when every gradient is scaled by the same factor, as long as they stay well above its eps
+# (lesson 04 section 6), which is why the lab also compares the replicas.
 LOSS_ATOL = 1e-4
 
 

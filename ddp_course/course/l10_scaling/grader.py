@@ -32,6 +32,10 @@ from ddp_course.check import GradedRun, Verdict, graded_records, judged, last_li
 
 NPROC = 2
 EXERCISE = "10_dataloader.py"
+# What would state the answer before it is graded (tests/exercises/test_exercises_ask.py): who reads the
+# samples and for how long they live (Hint 1 asks it), and the line start_epoch needs.
+GIVEAWAYS = ("several worker processes read in parallel", "they live across epochs", "workers that live across epochs",
+             "sampler.set_epoch(epoch)")
 EDITABLE = ()  # the timing target below holds for the script's READ_S, OPEN_S and sizes only
 
 # The learner's loader must read the epochs after the first at least this many times faster than

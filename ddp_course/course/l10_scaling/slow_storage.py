@@ -68,8 +68,11 @@ class SlowStorage(Dataset):
         return {"index": i, "x": sample(i, self.dim), "reader": pid}
 
 
-def untuned_loader(dataset: Dataset, batch_size: int, rank: int, world_size: int, seed: int) -> DataLoader:
-    """Exercise 10's baseline: this rank's shard (a shuffled ``DistributedSampler``), every sample read
-    by the training process itself (no workers). The harness calls ``set_epoch`` on its sampler."""
+def untuned_loader(dataset: Dataset, batch_size: int, rank: int, world_size: int, seed: int,
+                   epoch: int) -> DataLoader:
+    """Exercise 10's baseline for one epoch: this rank's shard in that epoch's order (a shuffled
+    ``DistributedSampler``), every sample read by the training process itself (no workers, so a new
+    loader per epoch costs nothing)."""
     sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed)
+    sampler.set_epoch(epoch)
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=0)
