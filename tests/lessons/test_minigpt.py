@@ -38,3 +38,24 @@ def test_the_flops_label_names_the_terms_of_the_printed_figure():
     assert "all but the position table" in out
     assert weights == total - position
     assert flops == 6 * weights + attention
+
+
+def test_the_train_step_lesson_01_prints_is_the_course_own_less_what_lessons_06_and_07_ask():
+    """Lesson 01 prints train_step without the no_sync context (lesson 06's exercise: which micro-steps it
+    must enclose) and without the fp16 scaler's calls (lesson 07's: their order with the clip). What it
+    prints is train.py's own lines, up to indentation, and the comments that mark the gaps."""
+    import ast
+    import inspect
+
+    from ddp_course import train
+    from ddp_course.course.l01_minigpt.outline import MARK_SCALER, MARK_SYNC, train_step_outline
+
+    shown = train_step_outline()
+    ast.parse(shown)  # still Python
+    source = {line.strip() for line in inspect.getsource(train.train_step).splitlines()}
+    marks = {MARK_SYNC.strip(), MARK_SCALER.strip()}
+    assert [line for line in shown.splitlines() if line.strip() not in source | marks] == []
+    assert marks <= {line.strip() for line in shown.splitlines()}
+    for answer in ("sync_context", "no_sync()", "unscale_", "scaler.step", '"""'):
+        assert answer not in shown, answer
+    assert "optimizer.step()" in shown and "clip_grad_norm_" in shown and "loss / k_total" in shown
