@@ -24,7 +24,6 @@ import inspect
 import json
 import re
 import types
-from pathlib import Path
 
 import pytest
 from harness import ROOT
@@ -38,7 +37,8 @@ from ddp_course.check.registry import parse_source
 SCRIPTS = sorted(check.exercises())
 # The phrases that state the answer of each exercise done inside a notebook (record name -> phrases).
 NOTEBOOK_GIVEAWAYS: dict[str, tuple[str, ...]] = {
-    "01_causal_attention": ("masked_fill(mask", "softmax(att"),
+    "01_causal_attention": ("masked_fill(future", "triu(torch.ones(", "softmax(scores, dim=-1) @ v",
+                            "q @ k.transpose(-2, -1) / math.sqrt"),
     "03_my_reduce": ("reduce_gradients(replicas)", "dpm.reduce_gradients"),
     "07_amp_step": ("unscale_ before clipping", "clip after `unscale_`", "unscale, then clip", "clip the true gradients",
                     "unscale_ first"),
