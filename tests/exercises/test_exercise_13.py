@@ -78,15 +78,6 @@ MISTAKES = {
             '"ln1": SequenceParallel(), "attn": gather,\n            "attn.qkv": ColwiseParallel(),',
             '"attn.qkv": ColwiseParallel(), "ln1": SequenceParallel(), "attn": gather,') + ROOT + "    return model\n",
         ("Cannot distribute a DTensor", "tensor parallelism applied after fully_shard", "Split over tp first")),
-    # GPT-2's module names, where MiniGPT has qkv, proj, fc
-    "plan keys that name no module": (
-        "parallelize", PRE + BLOCK.replace('"attn.qkv"', '"attn.c_attn"').replace('"mlp.fc"', '"mlp.c_fc"') + ROOT + FSDP,
-        ("got mixed torch.Tensor and DTensor", "name no module", "'attn.c_attn'", "'mlp.c_fc'",
-         "HeadParallelAttention has qkv, proj, resid_drop")),
-    # tp the outer dimension: tp groups {0, 2}, {1, 3}; the same numbers and collectives as the plan
-    "the mesh the other way round": (
-        "make_mesh", '    return init_device_mesh("cpu", (TP, world_size // TP), mesh_dim_names=("tp", "dp"))\n',
-        ("dimensions the other way round", "tensor-parallel group is ranks [0, 2]", "last (innermost)")),
 }
 
 
@@ -94,8 +85,8 @@ MISTAKES = {
 def test_mistakes_graded_by_real_jobs_are_rejected_and_named(tmp_path):
     """Each attempt against what the grader says of it. Guards: tensor parallelism after fully_shard
     in PyTorch's other words ("Cannot distribute a DTensor ... to a different device mesh"), once shown
-    with no cause; plan keys that name no module, once shown as PyTorch's "got mixed torch.Tensor and
-    DTensor" alone; the mesh with tp outer, once accepted (the grader compared the mesh's sizes only)."""
+    with no cause. (Plan keys that name no module and the mesh the other way round are judged below from
+    what a job of theirs prints and reports: the grader reads nothing else of them.)"""
     folders = [tmp_path / str(i) for i in range(len(MISTAKES))]
     for folder in folders:
         folder.mkdir()
@@ -107,6 +98,42 @@ def test_mistakes_graded_by_real_jobs_are_rejected_and_named(tmp_path):
         assert not v.ok, name
         for w in words:
             assert w in v.message, (name, w, v.message)
+
+
+def _warning(key: str, token: str, module: str, children: list[str]) -> str:
+    """parallelize_module's warning for a plan key that names no module, as a rank prints it
+    (torch/distributed/tensor/parallel/api.py: the module's repr follows the token, one child a line)."""
+    lines = [f"[rank0]:.../torch/distributed/tensor/parallel/api.py:108: UserWarning: Parallelize plan key '{key}' "
+             f"could not be resolved: no submodule matching token '{token}' in module {module}("]
+    lines += [f"[rank0]:  ({c}): Linear(in_features=64, out_features=64, bias=True)" for c in children]
+    return "\n".join([*lines, "[rank0]:), skipping this plan entry."])
+
+
+def test_plan_keys_that_name_no_module_are_named_from_the_jobs_output():
+    """GPT-2's module names where MiniGPT has qkv and fc: parallelize_module warns and skips both keys, and the
+    job then fails in PyTorch's words alone ("aten.addmm.default got mixed torch.Tensor and DTensor"), as
+    the verdict once showed it. The grader names each key and the children the module does have."""
+    output = "\n".join([_warning("c_attn", "c_attn", "HeadParallelAttention", ["qkv", "proj", "resid_drop"]),
+                        _warning("c_fc", "c_fc", "MLP", ["fc", "act", "proj", "drop"]),
+                        "[rank0]: RuntimeError: aten.addmm.default: got mixed torch.Tensor and DTensor, need to "
+                        "convert all torch.Tensor to DTensor before calling distributed operators!"])
+    said = grader.hint(output)
+    for words in ("name no module", "'attn.c_attn' (HeadParallelAttention has qkv, proj, resid_drop, no 'c_attn')",
+                  "'mlp.c_fc'", "got mixed torch.Tensor and DTensor"):
+        assert words in said, (words, said)
+
+
+def test_the_mesh_the_other_way_round_is_named_from_the_groups_the_job_reports(solution):
+    """tp the outer dimension (tp groups {0, 2}, {1, 3}): the same numbers and collectives as the plan on 4
+    CPU ranks, once accepted (the grader compared the mesh's sizes only). The records are the solution's
+    job's, each rank's groups as init_device_mesh((TP, world_size // TP), ("tp", "dp")) makes them."""
+    verdict, path = solution
+    swapped = [{**r, "groups": {**r["groups"], "tp": [r["rank"] % 2, r["rank"] % 2 + 2],
+                                "dp": [r["rank"] // 2 * 2, r["rank"] // 2 * 2 + 1]}} for r in verdict.records]
+    v = grader.diagnose(swapped, grader.expected(path))
+    assert not v.ok
+    for words in ("dimensions the other way round", "tensor-parallel group is ranks [0, 2]", "last (innermost)"):
+        assert words in v.message, (words, v.message)
 
 
 def test_tensor_parallelism_after_fsdp_in_either_words():

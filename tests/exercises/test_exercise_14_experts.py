@@ -70,21 +70,6 @@ COMBINE_WITHOUT_UNSORT = '''    arrivals = torch.zeros_like(outputs).index_copy(
     n_tokens, k = gate.shape
     return (mine.view(n_tokens, k, -1) * gate.unsqueeze(-1)).sum(1)
 '''
-DISPATCH_SPLITS_SWAPPED = '''    import torch.distributed.nn.functional as dnn
-
-    p = dist.get_world_size(group)
-    local = counts.numel() // p
-    incoming = torch.empty_like(counts)
-    dist.all_to_all_single(incoming, counts, group=group)
-    from_rank = incoming.view(p, local)
-    send_splits = counts.view(p, local).sum(1).tolist()
-    recv_splits = from_rank.sum(1).tolist()
-    out = slots.new_empty(sum(recv_splits), slots.shape[1])
-    arrivals = dnn.all_to_all_single(out, slots, send_splits, recv_splits)
-    which = torch.arange(local).repeat(p).repeat_interleave(from_rank.flatten())
-    regroup = torch.argsort(which, stable=True)
-    return arrivals[regroup], Exchange(send_splits, recv_splits, from_rank, regroup)
-'''
 COMBINE_NOT_SENT_BACK = '''    arrivals = torch.zeros_like(outputs).index_copy(0, ex.regroup, outputs)
     by_slot = torch.zeros(order.numel(), outputs.shape[1], dtype=outputs.dtype).index_copy(0, order, arrivals)
     n_tokens, k = gate.shape
@@ -95,11 +80,6 @@ MISTAKES = {
     "splits not exchanged": ("dispatch", DISPATCH_WITHOUT_COUNTS,
                              ("all_to_all_single in dispatch (its call 1 there): the ranks' splits disagree: rank 0 "
                               "sends", "which expects", "Exchange the per-expert counts first", "Its row sums, one per source rank")),
-    # (b) the splits passed in each other's place (PyTorch alone says "Split sizes doesn't match total dim 0 size")
-    "splits swapped": ("dispatch", DISPATCH_SPLITS_SWAPPED,
-                       ("all_to_all_single in dispatch (its call 2 there): rank 0's output_split_sizes [",
-                        "but its output tensor has", "takes the rows a rank receives from each rank, then the rows it "
-                        "sends", "Passed in each other's place they do not")),
     # (c) the rows come home in expert order and stay so: every token gets another slot's output
     "no un-sort": ("combine", COMBINE_WITHOUT_UNSORT,
                    ("leaves them in expert order, not at their tokens' positions",
@@ -155,7 +135,8 @@ def test_mistakes_in_the_exchanges_are_rejected_and_named_and_another_right_answ
     """Guards the harness's check of every exchange's splits and of a combine that sends nothing back: before
     it, gloo aborted the job on the first pair of ranks that disagreed, PyTorch said only "Split sizes doesn't
     match total dim 0 size", and a combine without its exchange ended in index_copy_'s IndexError -- none of
-    them said which splits disagree, nor that the rows must go home first."""
+    them said which splits disagree, nor that the rows must go home first. (The splits passed in each
+    other's place meet the same check: its words are tried on their splits below.)"""
     folders = [tmp_path / str(i) for i in range(len(MISTAKES))]
     for folder in folders:
         folder.mkdir()
