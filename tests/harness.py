@@ -43,14 +43,19 @@ TINY_MODEL = {k: TINY[k] for k in ("n_layer", "n_head", "n_embd", "block_size")}
 # Set by torchrun in its workers; a child that inherited them would think it is a rank of some job.
 TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                  "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID")
+# Set by make for the commands of its recipes (`make test`, `make test-torch VENV=... TORCH_SPEC=...`): a
+# test that runs make in a clone of the course would otherwise set that clone up as the outer make was
+# asked to (its venv, its torch), not as the test asks.
+MAKE_VARS = ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "MAKEOVERRIDES", "VENV", "PYTHON", "TORCH_SPEC", "TORCH_PIP_ARGS",
+             "SYSTEM_TORCH", "PYTEST_ARGS", "TEST_WORKERS", "WORK", "PORT")
 SPAWN_DEADLINE_S = 90.0
 
 
 def course_env(env: dict[str, str] | None = None) -> dict[str, str]:
-    """This process's environment for a child: no torchrun variables, unbuffered output (a killed
-    child still shows what it printed), one OpenMP thread (spinning threads of one process slow
-    the other ranks on a small machine), then ``env`` on top."""
-    base = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARS}
+    """This process's environment for a child: no torchrun variables and none of make's, unbuffered
+    output (a killed child still shows what it printed), one OpenMP thread (spinning threads of one
+    process slow the other ranks on a small machine), then ``env`` on top."""
+    base = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARS + MAKE_VARS}
     return {**base, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
 
 

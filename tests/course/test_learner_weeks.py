@@ -26,14 +26,14 @@ import sys
 from pathlib import Path
 
 import pytest
-from harness import ROOT
+from harness import ROOT, course_env
 
 pytestmark = pytest.mark.skipif(shutil.which("git") is None or shutil.which("make") is None,
                                 reason="needs git and make, as the README's set-up does")
 
 
 def run(cmd: list[str], cwd: Path, clone: Path, timeout: float = 120, check: bool = True) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(clone), "GIT_AUTHOR_NAME": "course", "GIT_AUTHOR_EMAIL": "c@example.org",
+    env = {**course_env(), "PYTHONPATH": str(clone), "GIT_AUTHOR_NAME": "course", "GIT_AUTHOR_EMAIL": "c@example.org",
            "GIT_COMMITTER_NAME": "course", "GIT_COMMITTER_EMAIL": "c@example.org"}
     env.pop("DDP_COURSE_WORK", None)  # the learner has not named a workspace: work/ of the checkout
     env.pop("DDP_COURSE_NOTEBOOK_RUNS", None)  # the clone's tests are not this session's
