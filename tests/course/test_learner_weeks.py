@@ -19,7 +19,6 @@ it finds is the clone's, never this checkout's.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import json
 import statistics
+import sys
 
 import notebook_runs
 import pytest
 import torch
+from harness import run_command
 
 from ddp_course.course.l14_sequences_and_experts import ring as R
 from ddp_course.launch import run
@@ -98,3 +100,34 @@ def test_minigpt_on_the_ring_trains_like_one_process(lab):
     assert len(f64["first_grad_rel_err"]) == len(f32["first_grad_rel_err"]) > 20
     assert max(f64["first_grad_rel_err"].values()) <= 1e-13 and max(f32["first_grad_rel_err"].values()) <= 1e-5
     assert f32["reference_losses"][-1] < f32["reference_losses"][0] - 1.0  # it learns
+
+
+# PyTorch's context_parallel tried on the CPU in one process, as lesson 14's first cell does, once with the
+# put-back and once without; then whether MiniGPT's attention still works in that process.
+CP_ON_CPU = """
+import contextlib
+import torch, torch.distributed as dist, torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor.experimental import context_parallel
+from ddp_course.course.l14_sequences_and_experts.context_parallel import sdpa_put_back
+original = F.scaled_dot_product_attention
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+for guard in (sdpa_put_back, contextlib.nullcontext):
+    q, k, v = torch.randn(3, 1, 2, 8, 4)
+    try:
+        with guard(), context_parallel(init_device_mesh("cpu", (1,)), buffers=[q, k, v], buffer_seq_dims=[2, 2, 2]):
+            F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    except NotImplementedError:
+        pass
+    print(guard.__name__, "put back" if F.scaled_dot_product_attention is original else "left replaced")
+    F.scaled_dot_product_attention = original
+dist.destroy_process_group()
+"""
+
+
+def test_trying_pytorchs_context_parallel_leaves_attention_as_it_was():
+    """Lesson 14's first cell tries PyTorch's context_parallel on the CPU (it raises) inside
+    ``sdpa_put_back``: afterwards the kernel's attention is PyTorch's own again, whatever the version
+    does on its own (2.10 leaves its wrapper in place; the line for ``nullcontext`` says what this one does)."""
+    out = run_command([sys.executable, "-c", CP_ON_CPU], timeout=120).stdout
+    assert "sdpa_put_back put back" in out, out

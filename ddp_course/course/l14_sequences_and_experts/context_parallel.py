@@ -10,6 +10,9 @@ to one process's mean loss, and so do their gradients: :func:`sum_gradients` all
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -17,6 +20,27 @@ import torch.nn.functional as F
 
 from ddp_course.course.l14_sequences_and_experts.ring import Ring, positions, ring_attention, shard
 from ddp_course.model import CausalSelfAttention, MiniGPT
+
+
+@contextlib.contextmanager
+def sdpa_put_back() -> Iterator[None]:
+    """``F.scaled_dot_product_attention`` as it was when the block began, put back when it ends,
+    whatever was raised inside: for trying PyTorch's own ``context_parallel`` in a notebook's kernel.
+
+    ``context_parallel`` puts its ring wrapper in place of ``F.scaled_dot_product_attention`` while its
+    block runs. In PyTorch 2.10 it takes the wrapper away after the ``yield`` with no ``finally``
+    (``torch/distributed/tensor/experimental/_context_parallel/_attention.py``, ``context_parallel``:
+    ``_enable_context_parallel_dispatcher_impl(...)``, ``yield``, ``_disable_context_parallel_dispatcher_impl()``),
+    so when the attention inside raises, as it does on a CPU, the wrapper stays for the rest of the
+    process and every later attention fails, MiniGPT's and the graders' included. PyTorch 2.13 takes it
+    away in a ``finally``. Held by tests/lessons/test_ring_attention.py, which the course's floor run
+    (PyTorch 2.10) fails without this.
+    """
+    original = F.scaled_dot_product_attention
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = original
 
 
 class RingSelfAttention(nn.Module):
