@@ -43,6 +43,7 @@ def _install() -> None:
     try:
         fatal = open(base + ".fatal", "w")  # a crash below Python (abort, segfault): where each thread was
         faulthandler.enable(file=fatal, all_threads=True)
+        _keep_fatal_here(faulthandler, fatal)
     except OSError:
         fatal = None
     _KEEP.extend((stack, fatal))
@@ -75,6 +76,23 @@ def _install() -> None:
         previous(kind, value, tb)
 
     sys.excepthook = record
+
+
+def _keep_fatal_here(faulthandler, fatal) -> None:
+    """Keep the crash dump in ``fatal`` when the program enables faulthandler again without a file.
+
+    torch.distributed.elastic's ``@record``, which wraps the entry point of ``ddp_course.train`` and of
+    the labs, calls ``faulthandler.enable(all_threads=True)`` as it starts (``ErrorHandler.initialize``,
+    torch/distributed/elastic/multiprocessing/errors/error_handler.py): that took the dump away to the
+    job's output, ``rank<R>.fatal`` stayed empty, and the course named a rank that had died of a
+    segmentation fault as one torchrun had stopped. Held by tests/core/test_launch.py.
+    """
+    enable = faulthandler.enable
+
+    def enable_here(file=None, all_threads=True):
+        return enable(file=fatal if file is None else file, all_threads=all_threads)
+
+    faulthandler.enable = enable_here
 
 
 def _timed_out_pattern():

@@ -56,6 +56,40 @@ def test_failing_rank_traceback_is_in_the_error(tmp_path):
     assert err.value.run.returncode != 0
 
 
+# Rank 0 dies of a segmentation fault inside torch's @record, as ddp_course.train's ranks run; rank 1 then
+# waits for it in a barrier
+SEGFAULT_ON_RANK_0 = """
+import ctypes
+
+import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
+
+
+@record
+def main():
+    dist.init_process_group("gloo")
+    if dist.get_rank() == 0:
+        ctypes.string_at(0)
+    dist.barrier()
+
+
+main()
+"""
+
+
+def test_a_rank_that_died_of_a_segmentation_fault_is_named_as_the_cause(tmp_path):
+    """torch's @record enables faulthandler again, to stderr, in every rank it wraps: the crash must still
+    reach the rank's own file (the start-up hook keeps it there), and the report name the crashed rank,
+    not call it stopped by torchrun."""
+    script = tmp_path / "segfault.py"
+    script.write_text(SEGFAULT_ON_RANK_0)
+    r = run(str(script), nproc=2, out_dir=tmp_path / "job", echo="none", progress=False, timeout=120, check=False)
+    msg = r.failure() or ""
+    assert r.returncode != 0
+    assert "rank 0 ended with no Python exception" in msg and "Segmentation fault" in msg, msg
+    assert "stopped by torchrun" not in msg, msg
+
+
 def test_bad_input_fails_before_any_process_starts(tmp_path):
     t0 = time.monotonic()
     with pytest.raises(ConfigError, match="Did you mean --max_steps"):
