@@ -79,15 +79,18 @@ main()
 
 def test_a_rank_that_died_of_a_segmentation_fault_is_named_as_the_cause(tmp_path):
     """torch's @record enables faulthandler again, to stderr, in every rank it wraps: the crash must still
-    reach the rank's own file (the start-up hook keeps it there), and the report name the crashed rank,
-    not call it stopped by torchrun."""
+    reach the rank's own file (the start-up hook keeps it there), and the report name the crashed rank as
+    the cause, not as one torchrun stopped."""
     script = tmp_path / "segfault.py"
     script.write_text(SEGFAULT_ON_RANK_0)
     r = run(str(script), nproc=2, out_dir=tmp_path / "job", echo="none", progress=False, timeout=120, check=False)
     msg = r.failure() or ""
     assert r.returncode != 0
     assert "rank 0 ended with no Python exception" in msg and "Segmentation fault" in msg, msg
-    assert "stopped by torchrun" not in msg, msg
+    # rank 1 either sees its peer go (then lost its peer) or is stopped by torchrun first: never rank 0
+    for line in msg.splitlines():
+        if "stopped by torchrun" in line:
+            assert line.startswith("rank 1 "), msg
 
 
 def test_bad_input_fails_before_any_process_starts(tmp_path):
