@@ -13,6 +13,7 @@ name in the module       what it decides                             default
 ``OPTIONS``              the ``TrainConfig`` fields that are its own  ``()``
                          (``--help`` lists them under the strategy;
                          another's: ``OPTIONS = ddp.OPTIONS``)
+``HELPERS``              its public names that are not hooks          ``()``
 ``build_optimizer``      ``(model, cfg, device) -> Optimizer``       :func:`adamw`: decay on matrices only
 ``sync_context``         ``(model, sync) -> context``: a micro-step  a no-op context (nothing is synchronised
                          that must not synchronise gradients          in backward)
@@ -39,9 +40,13 @@ name in the module       what it decides                             default
                          state alone (final.pt, fingerprints)
 =======================  ==========================================  =========================================
 
-A module's other public functions are its own helpers; one whose name is close to a hook's
-(``build_optimiser``) is refused when the strategy is loaded, as is a hook that takes other
-arguments than the table says (:class:`StrategyModule` spells the contract for a type checker).
+Every other public name of the module must be a constant (an upper-case name holding data), a class,
+a module it imports, or a helper it names in ``HELPERS`` (a tuple of names: its own public functions
+other code uses, and the functions it imports under their own names, such as ``fully_shard``);
+anything else -- a function, an alias (``build_optimiser = parallel.adamw``), an imported function, a
+``functools.partial``, a lower-case constant -- is refused when the strategy is loaded (:func:`check_module`),
+with the hook or constant it is close to; a hook whose arguments (counted through a partial) differ
+from the table's is refused too. :class:`StrategyModule` spells the contract for a type checker.
 Whether a process can run the strategy at all (started by torchrun or not, how many ranks) is
 decided in one place, :meth:`Strategy.refusal`, from ``NEEDS_PROCESS_GROUP``; a module may give
 ``LAUNCH_EXAMPLE``, the torchrun arguments the refusal suggests.
@@ -76,36 +81,9 @@ if TYPE_CHECKING:  # imported where used: torch.distributed.checkpoint is slow t
 from ddp_course.checkpoint import DCP, OWN_STATES
 from ddp_course.config import ConfigError, TrainConfig
 from ddp_course.dist import DistInfo
+from ddp_course.parallel._optimizer import adamw, adamw_options, decay_groups  # noqa: F401 -- the default, and lessons' import
 
 _WRAPPED: weakref.WeakKeyDictionary[nn.Module, Strategy] = weakref.WeakKeyDictionary()
-
-
-def decay_groups(model: nn.Module, cfg: Any, ndims: dict[str, int] | None = None) -> list[dict[str, Any]]:
-    """AdamW's two parameter groups: weight decay on matrices (2-D or more), none on biases and gains.
-
-    ``ndims``: each parameter's number of dimensions by its name in ``model.named_parameters()``, when
-    the wrapper shows them otherwise than the model defined them (FSDP1's flat 1-D shards).
-    """
-    decay, no_decay = [], []
-    for name, p in model.named_parameters():
-        if p.requires_grad:
-            (decay if (ndims[name] if ndims is not None else p.dim()) >= 2 else no_decay).append(p)
-    return [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-
-
-def adamw_options(cfg: Any, device: torch.device) -> dict[str, Any]:
-    """The course's AdamW settings: ``cfg.lr``, betas (0.9, 0.95), the fused kernel on CUDA.
-
-    On CPU, PyTorch's default path (one tensor at a time) is kept, so CPU results stay comparable
-    across the torch versions the course supports.
-    """
-    return {"lr": cfg.lr, "betas": (0.9, 0.95), "fused": device.type == "cuda"}
-
-
-def adamw(model: nn.Module, cfg: Any, device: torch.device, ndims: dict[str, int] | None = None
-          ) -> torch.optim.AdamW:
-    """The default optimizer: AdamW over :func:`decay_groups` with :func:`adamw_options`."""
-    return torch.optim.AdamW(decay_groups(model, cfg, ndims), **adamw_options(cfg, device))
 
 
 def without_compile(model: nn.Module) -> nn.Module:
@@ -124,6 +102,7 @@ class StrategyModule(Protocol):
     NEEDS_PROCESS_GROUP: bool
     LAUNCH_EXAMPLE: str
     OPTIONS: tuple[str, ...]
+    HELPERS: tuple[str, ...]
 
     def wrap(self, model: nn.Module, info: DistInfo, cfg: TrainConfig) -> nn.Module: ...
     def build_optimizer(self, model: nn.Module, cfg: Any, device: torch.device) -> torch.optim.Optimizer: ...
@@ -144,34 +123,90 @@ class StrategyModule(Protocol):
 # every hook, with the number of arguments it takes (StrategyModule's methods, less ``self``)
 HOOKS: dict[str, int] = {name: len(inspect.signature(fn).parameters) - 1
                          for name, fn in vars(StrategyModule).items() if inspect.isfunction(fn) and name[0] != "_"}
-CONSTANTS = ("NEEDS_PROCESS_GROUP", "LAUNCH_EXAMPLE", "OPTIONS")
+# the constants the contract reads, with the type each must hold
+CONSTANTS: dict[str, type] = {"NEEDS_PROCESS_GROUP": bool, "LAUNCH_EXAMPLE": str, "OPTIONS": tuple, "HELPERS": tuple}
 STATE_HOOKS = ("state_dict", "load_state_dict", "model_state_dict", "has_state")  # what checkpoint asks
+CONTRACT = "ddp_course/parallel/__init__.py"
+
+
+def positional_arity(fn: Callable[..., Any]) -> int | None:
+    """How many arguments ``fn`` takes when called with positional arguments alone (through a
+    ``functools.partial`` too); None when that cannot be one number (``*args``, a keyword-only argument
+    it requires, no readable signature)."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind is p.VAR_POSITIONAL or (p.kind is p.KEYWORD_ONLY and p.default is p.empty) for p in params):
+        return None
+    return sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params)
+
+
+def _what(name: str, value: Any, module: str) -> str:
+    """How a check's message names a value: where it comes from, whatever the name it is bound to."""
+    if isinstance(value, functools.partial):
+        return f"a functools.partial of {_what(name, value.func, module)}"
+    origin = f"{getattr(value, '__module__', '')}.{getattr(value, '__qualname__', '')}"
+    if inspect.isfunction(value) or inspect.isbuiltin(value):
+        if value.__module__ == module and value.__name__ == name:
+            return "a function"
+        return f"{origin}, under the name {name}" if value.__name__ != name else f"{origin}, imported"
+    return f"a {type(value).__name__}"
+
+
+def _near(name: str) -> str | None:
+    """The hook or constant ``name`` is likely a misspelling of (build_optimiser, Options), or None."""
+    known = [*HOOKS, *CONSTANTS]
+    same = [k for k in known if k.lower() == name.lower() and k != name]
+    close = [k for k in difflib.get_close_matches(name, known, n=1, cutoff=0.8) if k != name]
+    return (same or close or [None])[0]
+
+
+def _problem(name: str, value: Any, helpers: tuple[str, ...], module: str) -> str | None:
+    """Why the public name ``name`` of a strategy module breaks the contract, or None."""
+    if name in HOOKS:
+        got = positional_arity(value) if callable(value) and not inspect.isclass(value) else -1
+        if got == HOOKS[name]:
+            return None
+        takes = ("is not a function" if got == -1 else f"takes {got} argument(s)" if got is not None
+                 else "takes arguments that cannot be counted (*args, a keyword it requires, or no signature)")
+        return (f"the hook {name} ({_what(name, value, module)}) {takes}; the contract ({CONTRACT}) calls it with "
+                f"{HOOKS[name]}: give it exactly those, or rename it if it is not meant as this hook.")
+    if name in CONSTANTS:
+        wanted = CONSTANTS[name]
+        if not isinstance(value, wanted) or (wanted is tuple and not all(isinstance(v, str) for v in value)):
+            shape = "a tuple of names" if wanted is tuple else f"a {wanted.__name__}"
+            return f"{name} must be {shape} (it is {value!r}: {_what(name, value, module)})."
+        return None
+    near = _near(name)
+    if name in helpers or (not near and (inspect.isclass(value) or (name.isupper() and not callable(value)))):
+        return None  # a declared helper, a class (a type it uses or defines), a constant of its own
+    hint = f": did you mean {near}? (a misspelt one would be ignored, and the default used)" if near else ""
+    return (f"defines {name} ({_what(name, value, module)}), which is not a hook, a constant or a declared helper"
+            f"{hint}. A hook is named as in the table of {CONTRACT}; a constant's name is upper-case; a helper is "
+            f"named in the module's HELPERS, or made private (_{name}).")
 
 
 def check_module(module: Any) -> None:
-    """Refuse a strategy module whose public names look like a hook or a constant but are not one
-    (a misspelling would silently get the default), or whose hooks take other arguments."""
+    """Refuse a strategy module with a public name that is not a hook (of the contract's arity), a
+    constant (upper-case; the contract's of their types) or a helper named in ``HELPERS`` -- whatever its
+    origin: defined there, imported, an alias, a ``functools.partial``. Modules, classes and
+    ``from __future__`` imports are allowed."""
     where = f"{module.__name__.replace('.', '/')}.py"
-    if not callable(vars(module).get("wrap")):
+    names = vars(module)
+    if not callable(names.get("wrap")):
         raise ConfigError(f"{where} defines no wrap(model, info, cfg): every strategy must.")
-    for name, value in vars(module).items():
-        if name.startswith("_"):
-            continue
-        if inspect.isfunction(value) and value.__module__ == module.__name__:
-            if name in HOOKS:
-                wanted, got = HOOKS[name], len(inspect.signature(value).parameters)
-                if got != wanted:
-                    raise ConfigError(f"{where}: the hook {name} takes {got} argument(s); the contract "
-                                      f"(ddp_course/parallel/__init__.py) gives it {wanted}.")
-                continue
-            near = difflib.get_close_matches(name, list(HOOKS), n=1, cutoff=0.8)
-        elif name.isupper():
-            near = [c for c in difflib.get_close_matches(name, CONSTANTS, n=1, cutoff=0.8) if c != name]
-        else:
-            continue
-        if near:
-            raise ConfigError(f"{where} defines {name}, which is not a hook: did you mean {near[0]}? "
-                              "(ddp_course/parallel/__init__.py lists the hooks; a misspelt one would be ignored.)")
+    helpers = names.get("HELPERS", ())
+    for name, value in names.items():
+        if not name.startswith("_") and not inspect.ismodule(value) and type(value).__module__ != "__future__":
+            problem = _problem(name, value, helpers if isinstance(helpers, tuple) else (), module.__name__)
+            if problem:
+                raise ConfigError(f"{where} {problem}" if problem.startswith("defines") else f"{where}: {problem}")
+    for name in helpers:
+        if name not in names or name in HOOKS or name in CONSTANTS or name.startswith("_"):
+            why = ("is a hook or a constant, not a helper" if name in HOOKS or name in CONSTANTS
+                   else "is private" if name.startswith("_") else "is not defined there")
+            raise ConfigError(f"{where}: HELPERS names {name}, which {why}; list only the module's public helpers.")
 
 
 class Strategy:

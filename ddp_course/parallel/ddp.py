@@ -35,6 +35,8 @@ from ddp_course.dist import DistInfo
 # the TrainConfig options this strategy reads (python -m ddp_course.train --help lists them under it)
 OPTIONS = ("bucket_cap_mb", "broadcast_buffers", "find_unused_parameters", "static_graph", "comm_hook")
 
+HELPERS = ("bf16_hook", "int8_hook", "comm_hook", "ddp_kwargs")  # public, not hooks: lessons 05 and 07 use them
+
 INT8_LEVELS = 127  # int8 codes used: -127 .. 127 (symmetric, so 0 stays exactly 0)
 
 

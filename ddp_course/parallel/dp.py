@@ -26,6 +26,8 @@ from ddp_course.dist import DeviceError, DistInfo
 
 NEEDS_PROCESS_GROUP = False  # one process drives every GPU
 
+HELPERS = ("lm_loss", "cuda_gpus", "refusal")  # public, not hooks: lesson 03 uses lm_loss
+
 LESSON = "lessons/03_data_parallel.ipynb"
 
 

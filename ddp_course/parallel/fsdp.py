@@ -42,6 +42,8 @@ from ddp_course.dist import DistInfo
 
 # the TrainConfig options this strategy reads (python -m ddp_course.train --help lists them under it)
 OPTIONS = ("reshard_after_forward", "fsdp_mixed_precision", "fsdp_shard_size", "fsdp_cpu_offload")
+# public, not hooks: its own (fsdp1, fsdp_tp and lesson 09 use them) and the two of PyTorch it calls
+HELPERS = ("shard_layout", "device_mesh", "mp_policy", "offload_policy", "fully_shard", "init_device_mesh")
 
 
 def shard_layout(info: DistInfo, cfg: TrainConfig) -> tuple[int, int]:

@@ -40,16 +40,16 @@ from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
 from ddp_course.config import ConfigError, TrainConfig
 from ddp_course.dist import DistInfo
-from ddp_course.parallel import adamw
-from ddp_course.parallel.fsdp import device_mesh, gathered, shard_layout
+from ddp_course.parallel import _optimizer, fsdp
 
 # the TrainConfig options this strategy reads (python -m ddp_course.train --help lists them under it)
 OPTIONS = ("reshard_after_forward", "fsdp_mixed_precision", "fsdp_shard_size", "fsdp_cpu_offload")
+HELPERS = ("sharding_strategy",)  # public, not a hook: lesson 09 uses it
 
 
 def sharding_strategy(info: DistInfo, cfg: TrainConfig) -> ShardingStrategy:
     """FSDP1's ShardingStrategy for these options (the table above); refuses the unsynchronised hybrid case."""
-    replicas, shard = shard_layout(info, cfg)
+    replicas, shard = fsdp.shard_layout(info, cfg)
     if replicas > 1 and shard == 1:
         raise ConfigError(
             f"--strategy=fsdp1 with --fsdp_shard_size=1 on {info.world_size} ranks would be HYBRID_SHARD with one rank "
@@ -75,7 +75,7 @@ def wrap(model: nn.Module, info: DistInfo, cfg: TrainConfig) -> nn.Module:
           if cfg.fsdp_mixed_precision else None)
     wrapped = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({type(model.blocks[0])}), sharding_strategy=strategy,
                    device_id=info.device,  # explicit: on the CPU FSDP1 refuses to guess it
-                   device_mesh=device_mesh(info, cfg) if hybrid else None, use_orig_params=True,
+                   device_mesh=fsdp.device_mesh(info, cfg) if hybrid else None, use_orig_params=True,
                    mixed_precision=mp, cpu_offload=CPUOffload(offload_params=True) if cfg.fsdp_cpu_offload else None)
     # FSDP1 shows each parameter (the same object, use_orig_params) as a flat 1-D view of this rank's
     # shard; the optimizer's weight-decay groups need the real number of dimensions: recorded here by
@@ -86,7 +86,7 @@ def wrap(model: nn.Module, info: DistInfo, cfg: TrainConfig) -> nn.Module:
 
 def build_optimizer(model: FSDP, cfg: Any, device: torch.device) -> torch.optim.AdamW:
     """The course's AdamW, its weight-decay groups decided by the dimensions recorded before wrapping."""
-    return adamw(model, cfg, device, ndims=model.param_ndims)
+    return _optimizer.adamw(model, cfg, device, ndims=model.param_ndims)
 
 
 def sync_context(model: FSDP, sync: bool) -> contextlib.AbstractContextManager:
@@ -105,4 +105,4 @@ def unwrap(model: FSDP) -> nn.Module:
     return model.module
 
 
-__all__ = ["build_optimizer", "clip_grad_norm_", "gathered", "sharding_strategy", "sync_context", "unwrap", "wrap"]
+gathered = fsdp.gathered  # the full state dict of either FSDP is keyed by the plain model's names

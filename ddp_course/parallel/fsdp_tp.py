@@ -39,10 +39,11 @@ from ddp_course.dist import DistInfo
 from ddp_course.parallel import _tensor_parallel as heads
 from ddp_course.parallel import _tp_plan as tp_plan
 from ddp_course.parallel import fsdp
-from ddp_course.parallel.fsdp import mp_policy
 
 # the TrainConfig options this strategy reads (python -m ddp_course.train --help lists them under it)
 OPTIONS = ("tp", "reshard_after_forward", "fsdp_mixed_precision")
+
+HELPERS = ("layout", "device_mesh", "init_device_mesh", "fully_shard")  # public, not hooks: lesson 13 uses the first two
 
 LAUNCH_EXAMPLE = "--nproc_per_node=4 -m ddp_course.train --strategy=fsdp_tp --tp=2"  # what the refusal without torchrun suggests
 
@@ -78,7 +79,7 @@ def wrap(model: nn.Module, info: DistInfo, cfg: TrainConfig) -> nn.Module:
     mesh = device_mesh(info, cfg)
     heads.quiet_sequential_redistribution()
     tp_plan.tensor_parallel(model, mesh["tp"], sequence_parallel=True)
-    options = {"mesh": mesh["dp"], "mp_policy": mp_policy(cfg)}
+    options = {"mesh": mesh["dp"], "mp_policy": fsdp.mp_policy(cfg)}
     for block in model.blocks:  # the order of lesson 09: each block one unit, then the root
         fully_shard(block, reshard_after_forward=cfg.reshard_after_forward, **options)
     fully_shard(model, reshard_after_forward=False, **options)

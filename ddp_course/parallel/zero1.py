@@ -27,7 +27,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddp_course.config import TrainConfig
 from ddp_course.dist import DistInfo
-from ddp_course.parallel import adamw_options, ddp, decay_groups
+from ddp_course.parallel import _optimizer, ddp
 
 # the TrainConfig options this strategy reads (python -m ddp_course.train --help lists them under it)
 OPTIONS = ddp.OPTIONS  # the model is wrapped as --strategy=ddp wraps it
@@ -46,8 +46,8 @@ def wrap(model: nn.Module, info: DistInfo, cfg: TrainConfig) -> DDP:
 
 def build_optimizer(model: DDP, cfg: Any, device: torch.device) -> ZeroRedundancyOptimizer:
     """The course's AdamW (same groups and settings as every strategy), its state sharded over the ranks."""
-    return ZeroRedundancyOptimizer(decay_groups(model, cfg), optimizer_class=torch.optim.AdamW,
-                                   **adamw_options(cfg, device))
+    return ZeroRedundancyOptimizer(_optimizer.decay_groups(model, cfg), optimizer_class=torch.optim.AdamW,
+                                   **_optimizer.adamw_options(cfg, device))
 
 
 def has_state(optimizer: ZeroRedundancyOptimizer) -> bool:

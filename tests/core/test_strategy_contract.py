@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import re
+import textwrap
 import types
 
 import pytest
@@ -15,18 +16,12 @@ from ddp_course import config, parallel
 from ddp_course.config import ConfigError, TrainConfig, available_strategies
 
 
-def _module(**names) -> types.ModuleType:
-    """A strategy module ``ddp_course.parallel.made_up`` defining ``names`` (functions become its own)."""
+def _module(source: str) -> types.ModuleType:
+    """A strategy module ``ddp_course.parallel.made_up`` run from ``source``, with a ``wrap`` of its own."""
     module = types.ModuleType("ddp_course.parallel.made_up")
-    for name, value in names.items():
-        if callable(value):
-            value.__module__ = module.__name__
-        setattr(module, name, value)
+    exec(compile("def wrap(model, info, cfg):\n    return model\n" + textwrap.dedent(source), "made_up.py", "exec"),
+         vars(module))
     return module
-
-
-def _wrap(model, info, cfg):
-    return model
 
 
 def test_every_strategy_of_the_course_keeps_the_contract():
@@ -34,32 +29,87 @@ def test_every_strategy_of_the_course_keeps_the_contract():
         parallel.check_module(parallel.get(name).module)
 
 
-def test_a_misspelt_hook_is_refused_with_the_hook_it_meant():
-    def build_optimiser(model, cfg, device):
-        return None
+# Each probe is a strategy module that would have run with the default hook, or a hook called with
+# arguments it does not take, had the check looked only at the functions defined in the file.
+PROBES = {
+    "an alias of the default optimizer, misspelt": (
+        "from ddp_course import parallel\nbuild_optimiser = parallel.adamw\n",
+        r"defines build_optimiser \(ddp_course\.parallel\._optimizer\.adamw, under the name build_optimiser\), which is "
+        r"not a hook, a constant or a declared helper: did you mean build_optimizer\?.*HELPERS, or made private"),
+    "an alias of another strategy's hook, misspelt": (
+        "from ddp_course.parallel import ddp\nsync_contxt = ddp.sync_context\n",
+        r"defines sync_contxt \(ddp_course\.parallel\.ddp\.sync_context, under the name sync_contxt\).*did you mean sync_context"),
+    "an imported function, not declared": (
+        "from ddp_course.parallel.fsdp import shard_layout\n",
+        r"defines shard_layout \(ddp_course\.parallel\.fsdp\.shard_layout, imported\), which is not a hook.*"
+        r"named in the module's HELPERS, or made private \(_shard_layout\)"),
+    "PyTorch's clipping imported under the hook's name": (
+        "from torch.nn.utils import clip_grad_norm_\n",
+        r"the hook clip_grad_norm_ \(torch\.nn\.utils\.clip_grad\.clip_grad_norm_, imported\) takes 5 argument\(s\); "
+        r"the contract .* calls it with 2"),
+    "a functools.partial under a name of its own": (
+        "import functools\nfrom ddp_course import parallel\nadamw_no_decay = functools.partial(parallel.adamw, ndims=None)\n",
+        r"defines adamw_no_decay \(a functools\.partial of ddp_course\.parallel\._optimizer\.adamw.*not a hook"),
+    "a hook of the wrong arity through a partial": (
+        "import functools\nfrom ddp_course.parallel import ddp\nsync_context = functools.partial(ddp.sync_context, sync=False)\n",
+        r"the hook sync_context \(a functools\.partial of ddp_course\.parallel\.ddp\.sync_context.*\) takes 1 argument"),
+    "a lower-case constant": (
+        "Options = ('bucket_cap_mb',)\n",
+        r"defines Options \(a tuple\), which is not a hook.*did you mean OPTIONS\?"),
+    "a misspelt hook defined in the file": (
+        "def build_optimiser(model, cfg, device):\n    return None\n",
+        r"defines build_optimiser \(a function\), which is not a hook.*did you mean build_optimizer\?"),
+    "a hook defined with other arguments": (
+        "def sync_context(model):\n    return None\n",
+        r"the hook sync_context \(a function\) takes 1 argument\(s\); the contract .* calls it with 2"),
+    "a misspelt constant": (
+        "NEEDS_PROCESS_GROUPS = False\n", r"defines NEEDS_PROCESS_GROUPS \(a bool\).*did you mean NEEDS_PROCESS_GROUP\?"),
+    "a constant of the wrong type (a string, not a tuple of names)": (
+        "OPTIONS = ('tp')\n", r"OPTIONS must be a tuple of names \(it is 'tp': a str\)"),
+    "a lambda under a name of its own": (
+        "strip_wrapper = lambda model: model.module\n", r"defines strip_wrapper \(.*<lambda>.*\), which is not a hook"),
+    "an upper-case name that holds a function": (
+        "from ddp_course import parallel\nOPTIMIZER = parallel.adamw\n", r"defines OPTIMIZER .*which is not a hook"),
+    "a helper declared but not defined": (
+        "HELPERS = ('shard_layout',)\n", r"HELPERS names shard_layout, which is not defined there"),
+    "a hook declared as a helper": (
+        "HELPERS = ('wrap',)\n", r"HELPERS names wrap, which is a hook or a constant, not a helper"),
+}
 
-    with pytest.raises(ConfigError, match=r"defines build_optimiser, which is not a hook: did you mean build_optimizer"):
-        parallel.check_module(_module(wrap=_wrap, build_optimiser=build_optimiser))
+
+@pytest.mark.parametrize("source, message", PROBES.values(), ids=PROBES.keys())
+def test_a_name_that_is_not_a_hook_a_constant_or_a_declared_helper_is_refused(source, message):
+    with pytest.raises(ConfigError, match=message):
+        parallel.check_module(_module(source))
 
 
-def test_a_misspelt_constant_and_a_hook_with_other_arguments_are_refused():
-    with pytest.raises(ConfigError, match="did you mean NEEDS_PROCESS_GROUP"):
-        parallel.check_module(_module(wrap=_wrap, NEEDS_PROCESS_GROUPS=False))
-
-    def sync_context(model):
-        return None
-
-    with pytest.raises(ConfigError, match="the hook sync_context takes 1 argument"):
-        parallel.check_module(_module(wrap=_wrap, sync_context=sync_context))
-    with pytest.raises(ConfigError, match="defines no wrap"):
-        parallel.check_module(_module())
+def test_a_strategy_without_wrap_is_refused():
+    module = types.ModuleType("ddp_course.parallel.made_up")
+    with pytest.raises(ConfigError, match=r"made_up\.py defines no wrap\(model, info, cfg\): every strategy must"):
+        parallel.check_module(module)
 
 
-def test_a_strategy_helper_with_a_name_of_its_own_is_allowed():
-    def shard_layout(info, cfg):
-        return 1, 1
+def test_declared_helpers_aliased_hooks_constants_modules_and_classes_are_allowed():
+    parallel.check_module(_module("""
+        import functools
+        import torch
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        from ddp_course.parallel import ddp, fsdp
+        from ddp_course.parallel.fsdp import shard_layout
 
-    parallel.check_module(_module(wrap=_wrap, shard_layout=shard_layout))
+        HELPERS = ("shard_layout", "layout", "build")
+        INT8_LEVELS = 127
+        sync_context = ddp.sync_context  # a hook taken from another strategy: the house idiom
+        gathered = fsdp.gathered
+        unwrap = functools.partial(lambda model, strict: model.module, strict=True)  # through a partial: 1 argument
+        build = functools.partial(fsdp.mp_policy)
+
+        def layout(info, cfg):
+            return 1, 1
+
+        class Wrapper(DDP):
+            pass
+        """))
 
 
 # --- a strategy's own options (OPTIONS) ------------------------------------------------------------
