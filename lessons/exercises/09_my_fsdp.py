@@ -252,6 +252,8 @@ class MyFSDP(nn.Module):
         self.watch.units = list(self.units.values())
         self.watch.base = sum(p.numel() * p.element_size() for p in self.parameters())
         self._pending: dict[str, int] = {}
+        self._index = {id(p): k for k, p in enumerate(self.shards)}
+        self.problems: list[str] = []  # gradients no optimizer could step with (dtype, shape)
         self._in_backward = False
 
     def forward(self, *args, **kwargs):
@@ -306,8 +308,13 @@ class MyFSDP(nn.Module):
             if full.grad is None:
                 continue
             grad = reduce_gradient(full.grad, self.world_size, shard.numel())
-            shard.grad = grad if shard.grad is None or grad.shape != shard.shape else shard.grad + grad
             full.grad = None
+            if grad.dtype != torch.float32 or grad.shape != shard.shape:  # an optimizer could not step with it
+                self.problems.append(f"the gradient of {self.shard_names[self._index[id(shard)]]} is "
+                                     f"{str(grad.dtype).replace('torch.', '')} of shape {tuple(grad.shape)}, its "
+                                     f"parameter float32 of shape {tuple(shard.shape)}")
+                continue
+            shard.grad = grad if shard.grad is None else shard.grad + grad
         unit.free()  # after its backward, a unit keeps its shards only
         unit.ready = False
 
@@ -437,12 +444,13 @@ def train(kind: str, opt_name: str, dtype, prefetch: int, rank: int, world_size:
         if counter is not None:
             counter.__exit__(None, None, None)
             comm = {"ops": [dict(o) for o in counter.ops]}
+        problems += fsdp.problems
         for name, p in fsdp.named_original():
-            if p.grad is None:
+            if p.grad is None and not problems:
                 problems.append(f"{name} has no gradient")
-            elif p.grad.dtype != torch.float32 or p.grad.shape != p.shape:
+            elif p.grad is not None and (p.grad.dtype != torch.float32 or p.grad.shape != p.shape):
                 problems.append(f"the gradient of {name} is {str(p.grad.dtype).replace('torch.', '')} of shape "
-                                f"{tuple(p.grad.shape)}, its parameter fp32 of shape {tuple(p.shape)}")
+                                f"{tuple(p.grad.shape)}, its parameter float32 of shape {tuple(p.shape)}")
         if problems:
             break
         if step == 0:

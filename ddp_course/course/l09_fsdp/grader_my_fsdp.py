@@ -201,8 +201,8 @@ def _ratio_problem(rows: list[dict]) -> str | None:
             continue
         said = f"the {part} parameters' gradients at the first step are {ratio:.2f} times the one-process reference's"
         if found.name == "summed" and found.clear():
-            what = "summed, not averaged" if part == "sharded" else "replicated parameters' gradients summed, not averaged"
-            return f"gradients {what}: {said}, the sum over the {NPROC} ranks. In {fix}."
+            what = "gradients summed" if part == "sharded" else "replicated parameters' gradients summed"
+            return f"{what}, not averaged: {said}, the sum over the {NPROC} ranks. In {fix}."
         if part == "replicated":
             return (f"replicated parameters' gradients not averaged over the ranks: {said}: each rank steps them with "
                     f"its own batch's gradient. In {fix}.")
@@ -233,15 +233,17 @@ def _memory_problem(rows: list[dict], shape: dict) -> str | None:
 
 def _prefetch_problem(rows: list[dict]) -> str | None:
     for run in rows[0]["runs"]:
-        flying = sum(bool(c["in_flight"]) for c in run["computes"])
-        if run["prefetch"] > 0 and flying == 0:
-            return (f"prefetch that waits at once: with prefetch={run['prefetch']}, none of the {len(run['computes'])} "
-                    "unit computations (forward and backward) began with another unit's all-gather in flight, so "
-                    "communication never overlaps compute. Start the next units' all-gathers and leave them "
-                    "running: wait only for units[i].")
-        if run["prefetch"] == 0 and flying > 0:
-            return (f"with prefetch=0, {flying} unit computation(s) began with another unit's all-gather in flight: "
-                    "start only units[i] when prefetch is 0.")
+        for phase in ("forward", "backward"):
+            computes = [c for c in run["computes"] if c["phase"] == phase]
+            flying = sum(bool(c["in_flight"]) for c in computes)
+            if run["prefetch"] > 0 and flying == 0:
+                return (f"prefetch that waits at once: with prefetch={run['prefetch']}, none of the {len(computes)} "
+                        f"units' {phase} computations began with another unit's all-gather in flight, so "
+                        "communication never overlaps compute there. Start the next units' all-gathers and leave "
+                        f"them running: in before_{phase}, wait only for units[i].")
+            if run["prefetch"] == 0 and flying > 0:
+                return (f"with prefetch=0, {flying} unit {phase} computation(s) began with another unit's all-gather "
+                        f"in flight: start only units[i] when prefetch is 0.")
     return None
 
 
