@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ast
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -54,36 +55,114 @@ def is_lesson(name: str) -> bool:
     return name == LESSONS or name.startswith(LESSONS + ".")
 
 
-def _absolute(node: ast.ImportFrom, path: Path) -> str:
-    """The module a ``from X import ...`` reads, with a relative X resolved against ``path``'s package."""
+def _absolute_in(node: ast.ImportFrom, module: str, is_pkg: bool) -> str:
+    """The module a ``from X import ...`` in ``module`` reads, with a relative X resolved."""
     if not node.level:
         return node.module or ""
-    package = module_name(path).split(".")
-    if path.name != "__init__.py":
-        package = package[:-1]
-    base = package[:len(package) - (node.level - 1)]
+    parts = module.split(".") if is_pkg else module.split(".")[:-1]
+    base = parts[:len(parts) - node.level + 1]
     return ".".join([*base, node.module] if node.module else base)
 
 
-def _names(node: ast.AST, path: Path) -> list[str]:
-    """The module names one node may import (``from M import n`` gives M and M.n: n may be a module)."""
-    if isinstance(node, ast.Import):
-        return [alias.name for alias in node.names]
-    if isinstance(node, ast.ImportFrom):
-        base = _absolute(node, path)
-        return [base, *(f"{base}.{alias.name}" for alias in node.names)]
-    if isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant):
-        func = node.func
-        called = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
-        if called in ("import_module", "__import__") and isinstance(node.args[0].value, str):
-            return [node.args[0].value]
-    return []
+def _called_name(node: ast.AST) -> str:
+    return node.attr if isinstance(node, ast.Attribute) else getattr(node, "id", "")
+
+
+def _loaders(tree: ast.AST) -> set[str]:
+    """The names a module calls ``importlib.import_module`` or ``__import__`` by, aliases included
+    (``from importlib import import_module as load``, ``load = importlib.import_module``)."""
+    names = {"import_module", "__import__"}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module == "importlib":
+            names |= {a.asname or a.name for a in node.names if a.name == "import_module"}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and _called_name(node.value) in names:
+            names |= {t.id for t in node.targets if isinstance(t, ast.Name)}
+    return names
+
+
+def _dynamic(arg: ast.AST, module: str, is_pkg: bool) -> str | None:
+    """The module an ``import_module`` argument names: the string itself; for a name built at run time
+    (``f"{__name__}.{name}"``, ``"ddp_course.course." + name``) its package, as ``pkg.*``."""
+    if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+        return arg.value
+    parts = arg.values if isinstance(arg, ast.JoinedStr) else [arg.left] if isinstance(arg, ast.BinOp) else []
+    prefix = ""
+    for part in parts:
+        if isinstance(part, ast.Constant) and isinstance(part.value, str):
+            prefix += part.value
+        elif isinstance(part, ast.FormattedValue) and getattr(part.value, "id", "") in ("__name__", "__package__"):
+            prefix += module if is_pkg or part.value.id == "__package__" else module.rsplit(".", 1)[0]
+        else:
+            break
+    return f"{prefix.rsplit('.', 1)[0]}.*" if "." in prefix else None
+
+
+MODULE_STRING = re.compile(r"^ddp_course(?:\.\w+)+$")
+
+
+def _docstrings(tree: ast.AST) -> set[int]:
+    return {id(node.body[0].value) for node in ast.walk(tree)
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+            and node.body and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)}
+
+
+def _dotted(node: ast.AST, bound: dict[str, str]) -> str | None:
+    """``a.b.c`` with ``a`` replaced by the module it is bound to, or None."""
+    if isinstance(node, ast.Name):
+        return bound.get(node.id)
+    if isinstance(node, ast.Attribute) and (base := _dotted(node.value, bound)):
+        return f"{base}.{node.attr}"
+    return None
+
+
+def _aliases(tree: ast.AST, module: str, is_pkg: bool) -> dict[str, str]:
+    """{local name: what it holds, dotted} for every name an import binds, or an assignment of one."""
+    bound: dict[str, str] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            bound.update({a.asname or a.name.split(".")[0]: a.name if a.asname else a.name.split(".")[0]
+                          for a in node.names})
+        elif isinstance(node, ast.ImportFrom):
+            base = _absolute_in(node, module, is_pkg)
+            bound.update({a.asname or a.name: f"{base}.{a.name}" for a in node.names})
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and (target := _dotted(node.value, bound)):
+            bound.update({t.id: target for t in node.targets if isinstance(t, ast.Name)})
+    return bound
+
+
+def module_edges(source: str, module: str, is_pkg: bool) -> list[tuple[int, str]]:
+    """(line, name) for every module ``source`` may reach: its imports, in functions and branches too
+    (``from M import n`` gives M and M.n: n may be a module); ``import_module`` / ``__import__`` under
+    any alias (a name built at run time gives its package as ``pkg.*``); module names held as strings
+    (a job launched as ``"ddp_course.course.l05_inside_ddp.ddp_internals"``; docstrings aside); and the
+    attributes of an imported module or of an alias of one (``parallel.fsdp``, ``lab = parallel.fsdp``).
+    A name that is not a module (``M.n`` for a function n) is sorted out by the caller."""
+    tree = ast.parse(source)
+    loaders, docs, bound = _loaders(tree), _docstrings(tree), _aliases(tree, module, is_pkg)
+    inner = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Attribute)}  # a.b of a.b.c
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(tree):
+        names: list[str | None] = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = _absolute_in(node, module, is_pkg)
+            names = [f"{base}.{a.name}" for a in node.names]
+        elif isinstance(node, ast.Call) and node.args and _called_name(node.func) in loaders:
+            names = [_dynamic(node.args[0], module, is_pkg)]
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docs:
+            names = [node.value] if MODULE_STRING.match(node.value) else []
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load) and id(node) not in inner:
+            names = [_dotted(node, bound)]
+        found += [(node.lineno, n) for n in names if n]
+    return found
 
 
 def imported_names(source: str, path: Path) -> list[tuple[int, str]]:
-    """(line, module name) for every import anywhere in ``source`` (functions and branches included)."""
-    tree = ast.parse(source, filename=str(path))
-    return [(node.lineno, name) for node in ast.walk(tree) for name in _names(node, path)]
+    """(line, module name) for every module the file ``path`` may reach (:func:`module_edges`)."""
+    return module_edges(source, module_name(path), path.name == "__init__.py")
 
 
 def lesson_imports(source: str, path: Path) -> list[str]:
@@ -105,6 +184,12 @@ def lesson_imports(source: str, path: Path) -> list[str]:
     ("from ..course import plots", "parallel/__init__.py"),
     ("def f():\n    if True:\n        from ddp_course.course import plots\n", "train.py"),
     ("import importlib\nimportlib.import_module('ddp_course.course.plots')", "launch.py"),
+    ("from importlib import import_module as load\nload('ddp_course.course.plots')", "launch.py"),
+    ("import importlib\nget = importlib.import_module\nget(f'ddp_course.course.{name}')", "launch.py"),
+    ("import importlib\nimportlib.import_module('ddp_course.course.' + name)", "launch.py"),
+    ("x = 'ddp_course.course.plots'", "train.py"),  # a module named in a string: a job launched by name
+    ("run('ddp_course.course.l05_inside_ddp.ddp_internals', nproc=2)", "launch.py"),
+    ("import ddp_course as pkg\nlab = pkg.course\nlab.plots.loss_curves()", "train.py"),  # an alias of a module
 ])
 def test_the_scan_finds_a_lesson_import_in_any_form(source, where):
     assert lesson_imports(source, PACKAGE / where), imported_names(source, PACKAGE / where)
@@ -116,10 +201,18 @@ def test_the_scan_finds_a_lesson_import_in_any_form(source, where):
     ("from .ddp import wrap", "parallel/__init__.py"),
     ("from .. import config", "parallel/ddp.py"),
     ("import ddp_course.courseware", "train.py"),
-    ("x = 'ddp_course.course.plots'", "train.py"),  # a string is not an import
+    ('"""Lesson 05 launches ddp_course.course.l05_inside_ddp.ddp_internals."""', "train.py"),  # a docstring
+    ("x = 'python -m ddp_course.train --strategy=ddp'", "launch.py"),  # a command line, of the core
 ])
 def test_the_scan_passes_core_imports(source, where):
     assert lesson_imports(source, PACKAGE / where) == []
+
+
+def test_the_scan_sees_a_strategy_loaded_by_a_name_built_at_run_time():
+    edges = module_edges("import importlib\nimportlib.import_module(f'{__name__}.{name}')", "ddp_course.parallel", True)
+    assert [e for e in edges if e[1].startswith("ddp_course")] == [(2, "ddp_course.parallel.*")]
+    assert module_edges("from ddp_course.parallel import fsdp\nfsdp.wrap", "ddp_course.parallel.fsdp1", False) == [
+        (1, "ddp_course.parallel.fsdp"), (2, "ddp_course.parallel.fsdp.wrap")]
 
 
 # --- the core itself ---------------------------------------------------------------------------------------
@@ -134,6 +227,17 @@ def test_core_module_imports_no_lesson_material(path):
     found = lesson_imports(path.read_text(), path)
     assert not found, (f"{path.relative_to(ROOT)} imports lesson material {found}: the core must not depend on "
                        f"{LESSONS}. Move what it needs into the core, or the code that needs it into the lesson.")
+
+
+CORE_TESTS = sorted(p for p in (ROOT / "tests" / "core").glob("test_*.py") if p.name != "test_architecture.py")
+
+
+@pytest.mark.parametrize("path", CORE_TESTS, ids=lambda p: p.name)
+def test_a_core_test_reaches_no_lesson_material(path):
+    """tests/core tests the core and the harnesses; a lesson's labs, benchmarks and graders are tested in
+    tests/lessons (test_<topic>.py) and tests/exercises (this file names lesson modules only as probes)."""
+    found = lesson_imports(path.read_text(encoding="utf-8"), path)
+    assert not found, f"tests/core/{path.name} reaches lesson material {found}: move that test to tests/lessons."
 
 
 def test_importing_the_core_loads_no_lesson_module():
@@ -188,18 +292,37 @@ def lesson_files() -> list[tuple[Path, int]]:
     return files
 
 
+# A later lesson's program that an earlier lesson's file launches by name (never imports), each with why the
+# learner does not meet the later lesson early.
+LAUNCHES_LATER = {
+    ("ddp_course/course/l04_ddp/bench_clean_exit.py", "ddp_course.course.l05_inside_ddp.ddp_profile"):
+        "the exit guard's stress check launches lesson 05's profiler among the jobs whose exit it counts; a "
+        "maintainer runs it after a PyTorch upgrade (python -m ddp_course.bench clean_exit), a learner never does",
+}
+
+
 def test_a_lesson_imports_no_later_lesson():
     bad = {f"{p.relative_to(ROOT)} (lesson {n:02d})": later
-           for p, n in lesson_files() if (later := later_lesson_imports(p.read_text(encoding="utf-8"), p, n))}
+           for p, n in lesson_files()
+           if (later := [e for e in later_lesson_imports(p.read_text(encoding="utf-8"), p, n)
+                         if (str(p.relative_to(ROOT)), e.split(": ")[1]) not in LAUNCHES_LATER])}
     assert not bad, ("a lesson imports a later one; move what both need to ddp_course/course/ (as tiny.py, "
                      f"plots.py, noise.py): {bad}")
+
+
+def test_each_declared_launch_of_a_later_lesson_is_a_name_and_is_still_there():
+    for (path, module), why in LAUNCHES_LATER.items():
+        source = (ROOT / path).read_text(encoding="utf-8")
+        assert f'"{module}"' in source and why, (path, module)  # launched by its name, and said why
+        imports = [n for n in ast.walk(ast.parse(source)) if isinstance(n, (ast.Import, ast.ImportFrom))]
+        assert not any(module in ast.unparse(n) for n in imports), f"{path} imports {module}: declare no import"
 
 
 def test_the_order_check_finds_a_backward_import():
     grader = PACKAGE / "course" / "l05_inside_ddp" / "grader.py"
     backward = "def f():\n    from ddp_course.course.l06_grad_accumulation.no_sync_lab import tiny_model\n"
-    assert later_lesson_imports(backward, grader, 5) == ["line 2: ddp_course.course.l06_grad_accumulation.no_sync_lab",
-                                                         "line 2: ddp_course.course.l06_grad_accumulation.no_sync_lab.tiny_model"]
+    assert later_lesson_imports(backward, grader, 5) == [
+        "line 2: ddp_course.course.l06_grad_accumulation.no_sync_lab.tiny_model"]
     assert later_lesson_imports("from ddp_course.course.l02_collectives import bench_allreduce", grader, 5) == []
     assert later_lesson_imports("from ddp_course.course import tiny", grader, 5) == []
 
@@ -259,7 +382,8 @@ def test_no_course_module_loads_a_file_of_the_repository_by_its_path():
     """Import analysis (and a maintainer) must see what the package runs: no module of ours is executed
     from a path. Graders load the *learner's* script by path (that is their job), and the start-up hook
     chains to a ``sitecustomize`` it shadows; both name the file they load from their argument."""
-    allowed = {"course/l08_checkpointing/grader.py", "course/l09_fsdp/grader_zero1.py", "_postmortem/sitecustomize.py"}
+    allowed = {"course/l08_checkpointing/grader.py", "course/l09_fsdp/grader_zero1.py", "course/l09_fsdp/grader_my_fsdp.py",
+               "_postmortem/sitecustomize.py"}
     found = [str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py")
              if any(call in p.read_text(encoding="utf-8") for call in ("spec_from_file_location(", "run_path("))]
     assert sorted(set(found) - allowed) == [], found
@@ -338,7 +462,8 @@ def test_the_recipe_scan_sees_a_wrong_name():
 
 
 def import_graph(sources: dict[str, tuple[str, bool]]) -> dict[str, set[str]]:
-    """{module: the package modules it imports}, from {module: (source, is a package's __init__)}."""
+    """{module: the package modules it reaches (:func:`module_edges`)}, from {module: (source, is a
+    package's __init__)}; ``pkg.*`` (a module loaded by a name built at run time) is every module of pkg."""
     graph: dict[str, set[str]] = {}
 
     def known(name: str) -> str:
@@ -348,16 +473,11 @@ def import_graph(sources: dict[str, tuple[str, bool]]) -> dict[str, set[str]]:
 
     for mod, (source, is_pkg) in sources.items():
         edges = set()
-        for node in ast.walk(ast.parse(source)):
-            if isinstance(node, ast.Import):
-                edges |= {known(a.name) for a in node.names if a.name.split(".")[0] == "ddp_course"}
-            elif isinstance(node, ast.ImportFrom):
-                parts = mod.split(".") if is_pkg else mod.split(".")[:-1]
-                base = node.module or ""
-                if node.level:
-                    base = ".".join(parts[:len(parts) - node.level + 1] + ([base] if base else []))
-                if base.split(".")[0] == "ddp_course":
-                    edges |= {f"{base}.{a.name}" if f"{base}.{a.name}" in sources else known(base) for a in node.names}
+        for _, name in module_edges(source, mod, is_pkg):
+            if name.endswith(".*"):
+                edges |= {m for m in sources if m.startswith(name[:-1])}
+            elif name.split(".")[0] == "ddp_course":
+                edges.add(known(name))
         graph[mod] = edges - {mod}
     return graph
 
@@ -422,3 +542,16 @@ def test_the_cycle_scan_finds_a_cycle_through_a_function_level_import():
                "ddp_course.c": ("from . import a\nx = 1\n", False),
                "ddp_course.d": ("import ddp_course.a\n", False)}
     assert cycles(import_graph(sources)) == [["ddp_course.a", "ddp_course.b", "ddp_course.c"]]
+
+
+def test_the_cycle_scan_sees_a_strategy_that_imports_the_package_loading_it():
+    """``parallel/__init__`` loads each strategy by a name built at run time; a strategy that imports the
+    package's ``__init__`` back (as zero1 and fsdp1 did for the default optimizer) closes a loop."""
+    sources = {"ddp_course.parallel": ("import importlib\ndef get(n):\n    importlib.import_module(f'{__name__}.{n}')\n"
+                                       "from ddp_course.parallel._optimizer import adamw\n", True),
+               "ddp_course.parallel._optimizer": ("", False),
+               "ddp_course.parallel.zero1": ("from ddp_course.parallel import adamw\n", False),
+               "ddp_course.parallel.fsdp1": ("from ddp_course.parallel import _optimizer\n", False)}
+    assert cycles(import_graph(sources)) == [["ddp_course.parallel", "ddp_course.parallel.zero1"]]
+    launched = {"ddp_course.a": ("run('ddp_course.b', nproc=2)\n", False), "ddp_course.b": ("import ddp_course.a\n", False)}
+    assert cycles(import_graph(launched)) == [["ddp_course.a", "ddp_course.b"]]  # a job launched by name counts

@@ -16,11 +16,9 @@ import re
 import sys
 import types
 
-import pytest
 import torch
 from harness import TINY, torchrun
 
-from ddp_course import bench
 from ddp_course.dist import exit_guard_needed, quick_exit_is_quiet
 
 EXIT_LINE = re.compile(r"^\[exit\] rank (\d+): gloo threads left: (\d+), objects frozen: (\d+)$", re.M)
@@ -72,13 +70,3 @@ def test_without_the_guard_the_workers_outlive_the_interpreter(tmp_path):
 
 def test_exit_guard_versions():
     assert not exit_guard_needed("2.10.0+cu128") and exit_guard_needed("2.11.0") and exit_guard_needed("2.13.0+cpu")
-
-
-@pytest.mark.parametrize("argv, message", [
-    (["--jobs=train,nope"], "'nope' is not one of train, profile"),
-    (["--launches=0"], "--launches must be positive"),
-    (["--launches=x"], "expects an integer"),
-])
-def test_clean_exit_bench_refuses_bad_options(argv, message, capsys):
-    assert bench.main(["clean_exit", *argv]) == 2
-    assert message in capsys.readouterr().err

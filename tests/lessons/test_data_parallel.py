@@ -16,7 +16,7 @@ from harness import TINY, python_module
 
 from ddp_course.config import TrainConfig, available_strategies
 from ddp_course.course.l03_data_parallel import dp_mechanism as dpm
-from ddp_course.dist import DeviceError, DistInfo
+from ddp_course.dist import DistInfo
 from ddp_course.model import MiniGPT
 from ddp_course.parallel import dp
 
@@ -200,29 +200,6 @@ def test_dataparallel_does_nothing_without_cuda():
 def test_dp_is_a_strategy():
     assert "dp" in available_strategies()
     assert TrainConfig(strategy="dp").strategy == "dp"
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the wrapper's own code on the no-CUDA path")
-def test_dataparallel_lm_loss_is_the_models_loss(one_thread):
-    # Without CUDA, DataParallelLM runs the module directly, so this checks the wrapper's own code:
-    # the loss computed from the (gathered) logits must be exactly MiniGPT's loss.
-    torch.manual_seed(0)
-    model = MiniGPT(dpm.tiny_model_config())
-    x, y = dpm.sample_batches(1, 4, 32, 65)[0]
-    wrapped = dp.DataParallelLM(model, device_ids=None)
-    logits, loss = wrapped(x, y)
-    ref_logits, ref_loss = model(x, y)
-    assert torch.equal(logits, ref_logits) and torch.equal(loss, ref_loss)  # same ops, same order
-    assert wrapped(x).shape == (4, 32, 65)
-
-
-@without_2_gpus
-def test_wrap_refuses_with_a_clear_message():
-    with pytest.raises(DeviceError) as err:
-        dp.wrap(nn.Linear(2, 2), DistInfo(), TrainConfig(strategy="dp"))
-    msg = str(err.value)
-    assert "nn.DataParallel does nothing without CUDA devices" in msg
-    assert "lessons/03_data_parallel.ipynb" in msg and "--strategy=ddp" in msg
 
 
 @without_2_gpus

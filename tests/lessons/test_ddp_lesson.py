@@ -1,5 +1,6 @@
 """Lesson 04 (DDP): the recipe lab against one process, its breakers, the set_epoch bug, the streaming
-data order, and the mp.spawn demonstration (exercise 04's grader: tests/exercises/test_exercise_04.py).
+data order, the mp.spawn demonstration, and the clean_exit benchmark's bad options (exercise 04's
+grader: tests/exercises/test_exercise_04.py).
 
 ``tests/core/test_data.py`` already checks the sampler on its own (disjoint, covering shards; set_epoch
 reshuffles; a 2-rank batch is the single-process batch). What is new here: the same properties
@@ -21,6 +22,7 @@ import pytest
 import torch
 from harness import ROOT
 
+from ddp_course import bench
 from ddp_course.config import ConfigError, TrainConfig
 from ddp_course.course.l04_ddp.grader import PARAM_ATOL
 from ddp_course.data import stream_batches, stream_offsets
@@ -285,3 +287,15 @@ def test_spawn_works_from_a_module_and_fails_for_a_main_function(tmp_path):
     bad = report["bad"]  # the __main__ function never ran: the children could not unpickle it
     assert not bad["ok"] and "Can't get attribute 'hello'" in bad["child_output"]
     assert "terminated with exit code" in bad["error"]
+
+
+# --- the clean_exit benchmark (lesson 04: a finished job exits 0) ------------------------------------------
+
+@pytest.mark.parametrize("argv, message", [
+    (["--jobs=train,nope"], "'nope' is not one of train, profile"),
+    (["--launches=0"], "--launches must be positive"),
+    (["--launches=x"], "expects an integer"),
+])
+def test_clean_exit_bench_refuses_bad_options(argv, message, capsys):
+    assert bench.main(["clean_exit", *argv]) == 2
+    assert message in capsys.readouterr().err

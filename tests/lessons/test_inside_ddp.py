@@ -42,22 +42,6 @@ BUCKET_MB = 0.01  # ~10 kB buckets: the ~110 kB of gradients form several bucket
 
 # --- unit checks: no processes ------------------------------------------------------------------------
 
-def test_comm_hook_choice_and_refusals():
-    assert ddp_strategy.comm_hook("none", "gloo") is None
-    assert ddp_strategy.comm_hook("bf16", "gloo") is ddp_strategy.bf16_hook  # the built-in refuses gloo
-    assert ddp_strategy.comm_hook("bf16", "nccl").__name__ == "bf16_compress_hook"
-    with pytest.raises(ddp_strategy.CommHookError, match="choose one of"):
-        ddp_strategy.comm_hook("fp8", "gloo")
-
-
-def test_ddp_kwargs_buffers_flag():
-    cfg = SimpleNamespace(bucket_cap_mb=1.0, find_unused_parameters=True, static_graph=False, broadcast_buffers=False)
-    kw = ddp_strategy.ddp_kwargs(cfg)
-    assert kw["bucket_cap_mb"] == 1.0 and kw["find_unused_parameters"] is True
-    assert kw.get("forward_sync_buffers", kw.get("broadcast_buffers")) is False
-    assert "broadcast_buffers" not in ddp_strategy.ddp_kwargs(SimpleNamespace(**{**vars(cfg), "broadcast_buffers": True}))
-
-
 def test_ring_bytes_and_flags():
     assert ddp_common.ring_bytes_sent("allreduce", 1000, 2) == 1000  # 2 (n-1)/n = 1 at n = 2
     assert ddp_common.ring_bytes_sent("allreduce", 1000, 4) == 1500

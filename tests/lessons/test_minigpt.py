@@ -1,12 +1,19 @@
 """Lesson 01: what the notebook prints about MiniGPT adds up (its jobs are checked by the notebook run and
-by tests/exercises/test_exercise_01.py)."""
+by tests/exercises/test_exercise_01.py), and its benchmark (``overhead``: the course's loop against one
+written by hand) runs end to end on a tiny model, refusing two loops that do not do the same work."""
 
 from __future__ import annotations
 
 import json
+import math
 import re
 
-from harness import ROOT
+import pytest
+import torch
+from harness import ROOT, TINY_MODEL
+
+from ddp_course import bench
+from ddp_course.course.l01_minigpt import bench_overhead
 
 
 def _output(notebook: str, marker: str) -> str:
@@ -59,3 +66,57 @@ def test_the_train_step_lesson_01_prints_is_the_course_own_less_what_lessons_06_
     for answer in ("sync_context", "no_sync()", "unscale_", "scaler.step", '"""'):
         assert answer not in shown, answer
     assert "optimizer.step()" in shown and "clip_grad_norm_" in shown and "loss / k_total" in shown
+
+
+# --- the overhead benchmark ----------------------------------------------------------------------------
+
+@pytest.fixture
+def keep_threads():
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)
+
+
+def test_overhead_tiny(tmp_path, keep_threads):
+    # one thread: a second process busy on the same cores cannot stall OpenMP barriers
+    res = bench.run("overhead", **TINY_MODEL, micro_batch_size=4, rounds=3, steps=3, warmup=1, check_steps=3,
+                    n_batches=4, threads=1, out=tmp_path)
+    on_disk = json.loads((tmp_path / "overhead.json").read_text())
+    for key in ("rounds", "course_tokens_per_s_median", "hand_tokens_per_s_median", "ratio", "ratio_paired_median",
+                "target", "pass", "same_work_check", "noisy", "ratio_cpu_time", "options", "environment"):
+        assert key in on_disk, key
+    assert len(on_disk["rounds"]) == 3
+    assert [r["first"] for r in on_disk["rounds"]] == ["course", "hand", "course"]
+    for r in on_disk["rounds"]:
+        assert r["course_tokens_per_s"] > 0 and r["hand_tokens_per_s"] > 0
+    assert math.isfinite(on_disk["ratio"]) and on_disk["ratio"] > 0
+    assert on_disk["ratio"] == pytest.approx(res["ratio"])
+    check = on_disk["same_work_check"]
+    assert check["ok"] and len(check["loss_course"]) == 3
+    assert check["max_abs_loss_diff"] <= check["tolerance"]
+    assert on_disk["options"]["n_embd"] == 32
+
+
+def test_same_work_check_catches_a_different_loop(tmp_path, monkeypatch, keep_threads):
+    """The bench refuses to time two loops that do not do the same work."""
+    small = dict(TINY_MODEL, micro_batch_size=4, rounds=1, steps=1, warmup=0, check_steps=3, n_batches=2,
+                 threads=1, out=tmp_path)
+
+    def other_betas(model, cfg, device):
+        return torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.999))
+
+    with monkeypatch.context() as m:
+        m.setattr(bench_overhead, "hand_optimizer", other_betas)
+        with pytest.raises(bench.BenchError, match="optimizer"):
+            bench.run("overhead", **small)
+
+    def doubled_lr(model, optimizer, x, y, grad_clip, dtype=None):
+        for g in optimizer.param_groups:
+            g["lr"] = 2e-3
+        return original(model, optimizer, x, y, grad_clip, dtype)
+
+    original = bench_overhead.hand_step
+    monkeypatch.setattr(bench_overhead, "hand_step", doubled_lr)
+    with pytest.raises(bench.BenchError, match="do not do the same work"):
+        bench.run("overhead", **small)
+    assert not (tmp_path / "overhead.json").exists()

@@ -1,4 +1,4 @@
-"""Lesson 10: the scaling and DataLoader benchmarks, the multi-node commands, a two-agent job.
+"""Lesson 10: the scaling, DataLoader and ddp_vs_threads benchmarks, the multi-node commands, a two-agent job.
 
 Speed is not asserted (a busy test machine would make that flaky): the benchmarks must run, write
 complete JSON, and hold together (speedup of one process is 1, efficiency = speedup / n, the
@@ -17,6 +17,7 @@ import notebook_runs
 import pytest
 from harness import TINY, TINY_MODEL, python_module
 
+from ddp_course import bench
 from ddp_course.course.l10_scaling import bench_dataloader, bench_scaling, multinode
 
 
@@ -145,3 +146,18 @@ def test_two_agents_c10d_rendezvous_train_minigpt(tmp_path):
     b = [r["loss"] for r in one.train_rows]
     # same global batch, same samples: float32 summation order only (~1e-7); wrong data differs by 1e-2
     assert len(a) == len(b) == 3 and max(abs(x - y) for x, y in zip(a, b)) < 1e-4
+
+
+# --- the ddp_vs_threads benchmark (two processes against one with two threads) ------------------------------
+
+def test_ddp_vs_threads_tiny(tmp_path):
+    res = bench.run("ddp_vs_threads", **TINY_MODEL, steps=6, log_interval=3, batch=8, timeout_s=120.0, out=tmp_path)
+    on_disk = json.loads((tmp_path / "ddp_vs_threads.json").read_text())
+    assert on_disk["ddp_tokens_per_s"] > 0 and on_disk["threads_tokens_per_s"] > 0
+    assert on_disk["ratio"] > 0 and on_disk["ratio"] == pytest.approx(res["ratio"])
+    assert isinstance(on_disk["ddp_not_slower"], bool) and isinstance(on_disk["noisy"], bool)
+    assert sorted(r["kind"] for r in on_disk["runs"]) == ["ddp", "threads"]
+    for run in on_disk["runs"]:  # each run's own summary.json sits under the bench output folder
+        summary = json.loads((tmp_path / "ddp_vs_threads" / f"{run['kind']}_1" / "summary.json").read_text())
+        assert summary["steps"] == 6
+        assert summary["world_size"] == (2 if run["kind"] == "ddp" else 1)

@@ -19,12 +19,10 @@ import torch.distributed as dist
 from harness import free_port, python_module, spawn
 
 from ddp_course import checkpoint
-from ddp_course.config import ConfigError, TrainConfig
 from ddp_course.course.l11_beyond_data_parallel import plan
 from ddp_course.course.l13_two_dimensions import layouts, limits, two_d_harness
 from ddp_course.dist import clean_exit
 from ddp_course.launch import run
-from ddp_course.parallel import fsdp_tp
 
 LAB = "ddp_course.course.l13_two_dimensions.two_d_lab"
 # the notebook's training runs, option for option (solutions/13_two_dimensions.ipynb, section 7)
@@ -144,19 +142,7 @@ def test_the_plan_table_reads_the_styles():
     assert rows["attn.proj"][3].endswith("S(1)") and rows["attn.qkv"][3] == "S(-1)"
 
 
-# --- the strategy -------------------------------------------------------------------------------------
-
-def test_layout_and_data_parallel_ranks():
-    cfg = TrainConfig(strategy="fsdp_tp", tp=2)
-    assert fsdp_tp.layout(4, cfg) == (2, 2)
-    assert [fsdp_tp.data_parallel(r, 4, cfg) for r in range(4)] == [(0, 2), (0, 2), (1, 2), (1, 2)]
-    with pytest.raises(ConfigError, match="does not divide the 4 rank"):
-        fsdp_tp.layout(4, TrainConfig(strategy="fsdp_tp", tp=3))
-    with pytest.raises(ConfigError, match="--n_head=3 does not divide by 2"):
-        fsdp_tp.layout(4, TrainConfig(strategy="fsdp_tp", tp=2, n_head=3, n_embd=96))
-    with pytest.raises(ConfigError, match="--tp is the number of tensor-parallel ranks"):
-        TrainConfig(tp=0)
-
+# --- the strategy (its layout and refusals: tests/core/test_strategies.py) ------------------------------
 
 def _train(rel: str, nproc: int, tmp_path_factory, **flags):
     job = notebook_runs.reuse(rel, "ddp_course.train", nproc, **{**TRAIN, **flags})
