@@ -63,3 +63,61 @@ def bubble(bubble: dict[str, Any], m: int):
     timeline(bubble, m, ax=right)
     fig.tight_layout()
     return fig
+
+
+SLOT_COLOURS = {"F": "C0", "B": "C1", "I": "C3", "W": "C2"}
+
+
+def schedule_timeline(slots: list[list[tuple]], *, title: str, ax=None, scale: float = 1e3):
+    """One step of a schedule, a row per rank: each slot ``(kind, stage, micro-batch, start, end)`` as a
+    bar coloured by kind (F forward, B backward, I input gradient, W weight gradient), labelled with
+    the micro-batch and, where a rank holds several stages, the stage; white is idle."""
+    fig, ax = new_axes(ax, (7, 0.5 + 0.45 * len(slots)))
+    several = any(len({s for _, s, *_ in rank}) > 1 for rank in slots)
+    end_all = max(e for rank in slots for *_, e in rank)
+    for r, rank in enumerate(slots):
+        for kind, stage, i, start, end in rank:
+            ax.barh(r, (end - start) * scale, left=start * scale, color=SLOT_COLOURS[kind], edgecolor="white",
+                    height=0.7, alpha=1.0 if not several or stage < len(slots) else 0.6)
+            if end - start > 0.025 * end_all:
+                ax.text((start + end) / 2 * scale, r, f"{i}", ha="center", va="center", fontsize=6, color="white")
+    ax.set_yticks(range(len(slots)), [f"rank {r}" for r in range(len(slots))])
+    ax.invert_yaxis()
+    ax.set_title(title, fontsize=9)
+    ax.grid(axis="x", alpha=0.3)
+    return finish(fig, ax)
+
+
+def schedules(lab: dict[str, Any], names: list[str], *, key: str = "timeline", unit: str = "ms"):
+    """A panel per schedule of ``names`` (from ``schedules_lab.json``): ``key`` is ``timeline`` (the slots
+    as the ranks ran them, on a common clock) or ``replayed_timeline`` (the same order and durations,
+    with only the waits the data imposes). Paler bars: a rank's second stage."""
+    fig, axes = plt.subplots(len(names), 1, figsize=(8, 1.1 + 0.55 * lab["world_size"] * len(names)), sharex=False)
+    axes = [axes] if len(names) == 1 else list(axes)
+    for ax, name in zip(axes, names):
+        s = lab["schedules"][name]
+        idle = s["replayed_idle"] if key == "replayed_timeline" else statistics.median(s["measured_idle"])
+        schedule_timeline(s[key], title=f"{name}: idle {idle:.0%}", ax=ax)
+    axes[-1].set_xlabel(f"{unit} since the step's start")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in SLOT_COLOURS.values()]
+    fig.legend(handles, ["F forward", "B backward", "I input gradient", "W weight gradient"], loc="upper right",
+               fontsize=7, ncol=4)
+    fig.tight_layout(rect=(0, 0, 1, 0.97))
+    return fig
+
+
+def held_over_step(lab: dict[str, Any], names: list[str]):
+    """A panel per schedule of ``names`` (the ones written by hand, whose bytes the lab counted): the
+    activations each stage holds after each of its slots, in micro-batches, a line per stage."""
+    fig, axes = plt.subplots(1, len(names), figsize=(4.5 * len(names), 3.2), sharey=True)
+    axes = [axes] if len(names) == 1 else list(axes)
+    for ax, name in zip(axes, names):
+        for s, trace in lab["schedules"][name]["held_trace"].items():
+            ax.step([k + 1 for k, _ in trace], [h for _, h in trace], where="post", label=f"stage {s}")
+        ax.set_title(f"{name}: activations held, p = {lab['world_size']}, m = {lab['micro_batches']}", fontsize=9)
+        ax.set_xlabel("the stage's slots (F or B), in order")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("micro-batches of activations")
+    axes[-1].legend(fontsize=7)
+    fig.tight_layout()
+    return fig
