@@ -71,7 +71,6 @@ T = TypeVar("T")
 Scaler = torch.amp.GradScaler
 
 FORMATS = ("full", "sharded")
-SHAPE_KEYS = ("block_size", "n_layer", "n_head", "n_embd", "vocab_size")
 POINTER = "latest"
 FINAL = "final.pt"
 META = "meta.pt"  # inside a sharded checkpoint: step, position, scaler, rng, shape, world size
@@ -419,7 +418,7 @@ def _check_shape(path: Path, state: dict[str, Any], shape: dict[str, int] | None
     if shape is None:
         return
     saved = state.get("shape") or {}
-    diff = {k: (saved.get(k), shape[k]) for k in SHAPE_KEYS if k in shape and saved.get(k) != shape[k]}
+    diff = {k: (saved.get(k), v) for k, v in shape.items() if saved.get(k) != v}  # the keys: GPTConfig.shape
     if diff:
         desc = ", ".join(f"{k}: checkpoint {a} vs this run {b}" for k, (a, b) in diff.items())
         raise CheckpointError(f"checkpoint {path} was made for another model shape ({desc}). "

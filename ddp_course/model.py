@@ -37,6 +37,12 @@ class GPTConfig:
         V, T, L, C = self.vocab_size, self.block_size, self.n_layer, self.n_embd
         return V * C + T * C + L * (12 * C * C + 13 * C) + 2 * C
 
+    def shape(self) -> dict[str, int]:
+        """The fields that fix the parameters' shapes: saved with each checkpoint, so that a resume into
+        another shape is refused (``checkpoint.load``)."""
+        return {"block_size": self.block_size, "n_layer": self.n_layer, "n_head": self.n_head, "n_embd": self.n_embd,
+                "vocab_size": self.vocab_size}
+
     @classmethod
     def from_train(cls, cfg: TrainConfig, vocab_size: int) -> GPTConfig:
         return cls(vocab_size=vocab_size, block_size=cfg.block_size, n_layer=cfg.n_layer, n_head=cfg.n_head,

@@ -133,12 +133,6 @@ def _check_precision(cfg: TrainConfig, device: torch.device) -> None:
                           "use --precision=fp16 (with its GradScaler) or fp32 on this GPU.")
 
 
-def _shape(cfg: TrainConfig, vocab_size: int) -> dict[str, int]:
-    """The model's shape, saved with each checkpoint so that a resume into another shape is refused."""
-    return {"block_size": cfg.block_size, "n_layer": cfg.n_layer, "n_head": cfg.n_head,
-            "n_embd": cfg.n_embd, "vocab_size": vocab_size}
-
-
 @dataclass
 class _Job:
     """What one training run is made of: built once by :func:`_build`, read by the loop's helpers."""
@@ -170,7 +164,7 @@ class _Job:
 
     @property
     def shape(self) -> dict[str, int]:
-        return _shape(self.cfg, self.data.tokenizer.vocab_size)
+        return GPTConfig.from_train(self.cfg, self.data.tokenizer.vocab_size).shape()
 
     def mfu(self, tokens_per_s: float) -> float | None:
         """Model FLOPs utilisation at this throughput (None where the device's peak is unknown)."""

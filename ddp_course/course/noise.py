@@ -19,12 +19,12 @@ import statistics
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from ddp_course.bench import DISTURBED_SPAN
+from ddp_course.bench import span as bench_span  # max / min of the repeats
+
 UNRESOLVED = "no difference this machine resolves (the ranges overlap)"
 DISTURBED = "disturbed run: rerun before reading it"
-# Repeats of one fixed amount of work on a quiet machine stay within about 1.1-1.6x of each other
-# (this course's benches on 2- to 16-core machines); 3x means that for part of the run something else
-# had most of the machine.
-SPREAD_LIMIT = 3.0
+SPREAD_LIMIT = DISTURBED_SPAN  # the course's one threshold, justified beside it in ddp_course/bench.py
 # n processes on c cores can at most do min(n, c) times the work of one: a median speed-up may exceed
 # that bound by timer noise and cache effects, not by 10%.
 SPEEDUP_SLACK = 1.1
@@ -50,8 +50,8 @@ def disturbed(series: Mapping[str, Sequence[float]] | None = None, *, speedup: f
     """
     reasons = []
     for name, xs in (series or {}).items():
-        if xs and min(xs) > 0 and max(xs) / min(xs) > SPREAD_LIMIT:
-            reasons.append(f"the repeats of {name} span {max(xs) / min(xs):.1f}x, where repeats of the same work "
+        if xs and (span := bench_span(list(xs))) > SPREAD_LIMIT:
+            reasons.append(f"the repeats of {name} span {span:.1f}x, where repeats of the same work "
                            f"stay within {SPREAD_LIMIT:g}x")
     if speedup is not None and workers is not None:
         cores = usable_cores() if cores is None else cores

@@ -239,7 +239,9 @@ class Strategy:
                     f"--nproc={nproc.partition('=')[2]} {flags}`; in a notebook, ddp_course.launch.run).")
         if not self.needs_process_group and world_size > 1:
             return (f"--strategy={self.name} runs in one process, but this job has {world_size} ranks: every rank "
-                    "would train a model of its own. Use --strategy=ddp with torchrun, or launch one process.")
+                    "would train a model of its own on the same devices. Launch one process (python -m "
+                    f"ddp_course.train --strategy={self.name}; in a notebook, ddp_course.launch.run(..., nproc=1)), "
+                    "or use --strategy=ddp with torchrun for one process per device.")
         return None
 
     def wrap(self, model: nn.Module, info: DistInfo, cfg: TrainConfig) -> nn.Module:

@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ddp_course.config import ConfigError, TrainConfig
+from ddp_course.config import TrainConfig
 from ddp_course.dist import DeviceError, DistInfo
 
 NEEDS_PROCESS_GROUP = False  # one process drives every GPU
@@ -77,15 +77,11 @@ def refusal(n_gpus: int) -> str:
 
 
 def wrap(model: nn.Module, info: DistInfo, cfg: TrainConfig) -> nn.Module:
-    """DataParallelLM over every GPU, the run's device first; refuses without 2 GPUs or with several processes."""
+    """DataParallelLM over every GPU, the run's device first; refuses without 2 GPUs (a job of several
+    processes is refused before: ``Strategy.refusal``)."""
     n = cuda_gpus()
     if n < 2:
         raise DeviceError(refusal(n))
-    if info.world_size > 1:
-        raise ConfigError(f"--strategy=dp is ONE process that drives all {n} GPUs, but this job has "
-                          f"{info.world_size} processes: each would replicate onto the same GPUs. Launch one "
-                          "process (python -m ddp_course.train --strategy=dp, or launch.run(..., nproc=1)), "
-                          "or use --strategy=ddp for one process per GPU.")
     if info.device.type != "cuda":
         raise DeviceError(f"--strategy=dp runs on the GPUs, but this run's device is {info.device} "
                           "(--device=cpu?). Use --device=auto or --device=cuda.")

@@ -43,7 +43,8 @@ from ddp_course.dist import DistInfo
 # the TrainConfig options this strategy reads (python -m ddp_course.train --help lists them under it)
 OPTIONS = ("reshard_after_forward", "fsdp_mixed_precision", "fsdp_shard_size", "fsdp_cpu_offload")
 # public, not hooks: its own (fsdp1, fsdp_tp and lesson 09 use them) and the two of PyTorch it calls
-HELPERS = ("shard_layout", "device_mesh", "mp_policy", "offload_policy", "fully_shard", "init_device_mesh")
+HELPERS = ("shard_layout", "device_mesh", "mp_policy", "cpu_offload", "offload_policy", "plain_copy", "fully_shard",
+           "init_device_mesh")
 
 
 def shard_layout(info: DistInfo, cfg: TrainConfig) -> tuple[int, int]:
@@ -76,15 +77,18 @@ def mp_policy(cfg: TrainConfig) -> MixedPrecisionPolicy:
     return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
 
-def offload_policy(info: DistInfo, cfg: TrainConfig) -> OffloadPolicy:
-    """CPUOffloadPolicy with ``fsdp_cpu_offload`` (GPU jobs only), else the default (no offload)."""
-    if not cfg.fsdp_cpu_offload:
-        return OffloadPolicy()
-    if info.device.type != "cuda":
+def cpu_offload(info: DistInfo, cfg: TrainConfig) -> bool:
+    """Whether to offload (``fsdp_cpu_offload``, FSDP2's and FSDP1's); refused on a job without GPUs."""
+    if cfg.fsdp_cpu_offload and info.device.type != "cuda":
         raise ConfigError("--fsdp_cpu_offload moves the sharded parameters, gradients and optimizer states from the GPU "
                           "to CPU memory, and copies each block to the GPU for its compute. This job trains on the CPU, "
                           "where everything is in CPU memory already: drop --fsdp_cpu_offload, or run on GPUs.")
-    return CPUOffloadPolicy()
+    return cfg.fsdp_cpu_offload
+
+
+def offload_policy(info: DistInfo, cfg: TrainConfig) -> OffloadPolicy:
+    """CPUOffloadPolicy with ``fsdp_cpu_offload`` (GPU jobs only), else the default (no offload)."""
+    return CPUOffloadPolicy() if cpu_offload(info, cfg) else OffloadPolicy()
 
 
 def wrap(model: nn.Module, info: DistInfo, cfg: TrainConfig) -> nn.Module:
@@ -129,9 +133,14 @@ def gathered(model: nn.Module) -> nn.Module:
     """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+    return plain_copy(model, get_model_state_dict(model, options=StateDictOptions(full_state_dict=True)))
+
+
+def plain_copy(model: nn.Module, state: dict[str, torch.Tensor]) -> nn.Module:
+    """A plain MiniGPT of ``model``'s config holding the full state dict ``state`` (fsdp's and fsdp_tp's
+    ``gathered``), built without drawing from the global RNG."""
     from ddp_course.model import MiniGPT
 
-    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
     with torch.random.fork_rng(devices=[]):  # building a model draws its initial weights: leave the RNG alone
         copy = MiniGPT(model.cfg).to(next(iter(state.values())).device)
     copy.load_state_dict(state)

@@ -66,9 +66,7 @@ def sharding_strategy(info: DistInfo, cfg: TrainConfig) -> ShardingStrategy:
 def wrap(model: nn.Module, info: DistInfo, cfg: TrainConfig) -> nn.Module:
     """Wrap each transformer block, then the root, in FullyShardedDataParallel; returns the root wrapper."""
     strategy = sharding_strategy(info, cfg)  # refuse before any collective
-    if cfg.fsdp_cpu_offload and info.device.type != "cuda":
-        raise ConfigError("--fsdp_cpu_offload needs a GPU: it moves parameters from GPU memory to CPU memory, and "
-                          "this job already keeps everything in CPU memory. Drop --fsdp_cpu_offload.")
+    offload = fsdp.cpu_offload(info, cfg)
     ndims = {id(p): p.dim() for p in model.parameters()}  # before FSDP1 flattens them (see below)
     hybrid = strategy in (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
     mp = (MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, buffer_dtype=torch.bfloat16)
@@ -76,7 +74,7 @@ def wrap(model: nn.Module, info: DistInfo, cfg: TrainConfig) -> nn.Module:
     wrapped = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({type(model.blocks[0])}), sharding_strategy=strategy,
                    device_id=info.device,  # explicit: on the CPU FSDP1 refuses to guess it
                    device_mesh=fsdp.device_mesh(info, cfg) if hybrid else None, use_orig_params=True,
-                   mixed_precision=mp, cpu_offload=CPUOffload(offload_params=True) if cfg.fsdp_cpu_offload else None)
+                   mixed_precision=mp, cpu_offload=CPUOffload(offload_params=True) if offload else None)
     # FSDP1 shows each parameter (the same object, use_orig_params) as a flat 1-D view of this rank's
     # shard; the optimizer's weight-decay groups need the real number of dimensions: recorded here by
     # the wrapper's parameter names, read by build_optimizer below.

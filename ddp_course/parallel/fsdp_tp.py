@@ -158,10 +158,4 @@ def gathered(model: nn.Module) -> nn.Module:
     """A plain MiniGPT with the full parameters in the model's own order (a collective: every rank)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-    from ddp_course.model import MiniGPT
-
-    state = model_state_dict(model, StateDictOptions(full_state_dict=True))
-    with torch.random.fork_rng(devices=[]):  # building a model draws its initial weights: leave the RNG alone
-        copy = MiniGPT(model.cfg).to(next(iter(state.values())).device)
-    copy.load_state_dict(state)
-    return copy
+    return fsdp.plain_copy(model, model_state_dict(model, StateDictOptions(full_state_dict=True)))

@@ -11,9 +11,5 @@ NEEDS_PROCESS_GROUP = False  # one process; every other hook is the default (ddp
 
 
 def wrap(model: nn.Module, info: DistInfo, cfg: TrainConfig) -> nn.Module:
-    """The model itself; refuses a job of several ranks (each would train a model of its own)."""
-    if info.world_size > 1:
-        raise ValueError(f"--strategy=single runs one process, but this job has {info.world_size} ranks: "
-                         "every rank would train its own model. Use --strategy=ddp with torchrun, "
-                         "or launch one process.")
+    """The model itself (a job of several ranks is refused before: ``Strategy.refusal``)."""
     return model

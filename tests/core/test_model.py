@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -165,3 +166,17 @@ def test_generate_top_k_1_is_greedy():
         for _ in range(4):
             idx = torch.cat([idx, m(idx)[:, -1].argmax(-1, keepdim=True)], dim=1)
     assert torch.equal(out, idx)
+
+
+def test_the_shape_a_checkpoint_records_is_every_field_but_the_training_switches():
+    """GPTConfig.shape (what a checkpoint records and a resume compares) is every field of GPTConfig but
+    dropout and activation checkpointing, which change no weight: a checkpoint resumes across them."""
+    base = GPTConfig(vocab_size=65, block_size=16, n_layer=1, n_head=2, n_embd=32)
+    switches = {"dropout": 0.5, "activation_checkpointing": True}
+    assert set(base.shape()) == {f.name for f in dataclasses.fields(GPTConfig)} - set(switches)
+    assert base.shape() == {"block_size": 16, "n_layer": 1, "n_head": 2, "n_embd": 32, "vocab_size": 65}
+
+    def shapes(cfg: GPTConfig) -> dict:
+        return {k: v.shape for k, v in MiniGPT(cfg).state_dict().items()}
+
+    assert all(shapes(dataclasses.replace(base, **{k: v})) == shapes(base) for k, v in switches.items())

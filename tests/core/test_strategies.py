@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+from ddp_course import parallel
 from ddp_course.config import ConfigError, TrainConfig
 from ddp_course.dist import DeviceError, DistInfo
 from ddp_course.model import GPTConfig, MiniGPT
@@ -49,10 +50,13 @@ def test_dp_refuses_without_two_gpus():
     assert "lessons/03_data_parallel.ipynb" in msg and "--strategy=ddp" in msg
 
 
-def test_dp_refuses_several_processes(monkeypatch):
-    monkeypatch.setattr(dp, "cuda_gpus", lambda: 2)
-    with pytest.raises(ConfigError, match=r"ONE process that drives all 2 GPUs, but this job has 2 processes"):
-        dp.wrap(nn.Linear(2, 2), DistInfo(world_size=2, **GLOO), TrainConfig(strategy="dp"))
+@pytest.mark.parametrize("name", parallel.one_process())
+def test_a_one_process_strategy_refuses_several_ranks_in_one_place(name, monkeypatch):
+    """single's and dp's refusal of a job of several ranks is Strategy.refusal's, worded once."""
+    monkeypatch.setattr(dp, "cuda_gpus", lambda: 2)  # dp would otherwise stop first, at the missing GPUs
+    with pytest.raises(ConfigError, match=rf"--strategy={name} runs in one process, but this job has 2 ranks: "
+                                          r"every rank would train a model of its own.*nproc=1\)\), or use --strategy=ddp"):
+        parallel.get(name).wrap(nn.Linear(2, 2), DistInfo(world_size=2, **GLOO), TrainConfig(strategy=name))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the wrapper's own code on the no-CUDA path")
@@ -86,6 +90,26 @@ def test_fsdp_shard_sizes_that_cannot_work_are_refused():
         fsdp.shard_layout(four, TrainConfig(strategy="fsdp", fsdp_shard_size=3))
     with pytest.raises(ConfigError, match="silently stops synchronising"):  # FSDP1's hybrid bug, refused
         fsdp1.sharding_strategy(four, TrainConfig(strategy="fsdp1", fsdp_shard_size=1))
+
+
+def test_cpu_offload_on_a_cpu_job_is_refused_in_one_place():
+    """FSDP2's and FSDP1's refusal of --fsdp_cpu_offload without GPUs is fsdp.cpu_offload's, worded once."""
+    info, model = DistInfo(world_size=2, **GLOO), nn.Linear(2, 2)
+    cfg = TrainConfig(strategy="fsdp1", fsdp_cpu_offload=True)
+    refused = r"--fsdp_cpu_offload moves the sharded parameters.*drop --fsdp_cpu_offload, or run on GPUs"
+    for call in (lambda: fsdp.offload_policy(info, cfg), lambda: fsdp1.wrap(model, info, cfg)):
+        with pytest.raises(ConfigError, match=refused):
+            call()
+
+
+def test_the_plain_copy_of_a_sharded_model_holds_its_state_and_leaves_the_rng_alone(one_thread):
+    """fsdp's and fsdp_tp's ``gathered`` build their copy here (the full state dict each strategy gives)."""
+    torch.manual_seed(0)
+    model = MiniGPT(GPTConfig(vocab_size=65, block_size=16, n_layer=1, n_head=2, n_embd=32))
+    before = torch.get_rng_state()
+    copy = fsdp.plain_copy(model, model.state_dict())
+    assert torch.equal(torch.get_rng_state(), before)
+    assert copy is not model and all(torch.equal(v, model.state_dict()[k]) for k, v in copy.state_dict().items())
 
 
 # --- fsdp_tp -----------------------------------------------------------------------------------------------

@@ -1,5 +1,6 @@
 """ddp_course.course.noise: the verdict of a comparison follows the repeats, never one lucky median."""
 
+from ddp_course import bench
 from ddp_course.course import noise
 
 
@@ -93,3 +94,13 @@ def test_the_gil_verdict_rests_on_both_occupancy_and_speed():
     idle = matmul_verdict(_gil(1.05, [0.10, 0.10], [0.10, 0.11]))
     assert "no second core was free" in idle
     assert noise.DISTURBED in matmul_verdict(_gil(1.9, [0.01, 0.09], [0.10, 0.11]))
+
+
+def test_the_benchmarks_and_the_notebooks_call_the_same_repeats_disturbed(capsys):
+    """One threshold (bench.DISTURBED_SPAN, justified there): a benchmark warns exactly when a notebook's
+    verdict would say the same repeats cannot be read."""
+    assert noise.SPREAD_LIMIT is bench.DISTURBED_SPAN
+    for repeats in ([100.0, 110.0, 150.0], [100.0, 290.0], [100.0, 310.0], [100.0, 0.0]):
+        warned = bench.noise_warning("probe", bench.span(repeats), "rerun.", load=[0.0])
+        assert warned == bool(noise.disturbed({"the probe": repeats})), repeats
+        assert ("warning: [probe]" in capsys.readouterr().out) == warned

@@ -285,7 +285,7 @@ def overhead(opts: dict[str, Any]) -> dict[str, Any]:
           f"target >= {opts['target']}: {'PASS' if passed else 'FAIL'}")
     print(f"fastest round of each: course/hand = {best:.3f}; per CPU-second of this process: {cpu_ratio:.3f}; "
           f"round-to-round spread {noise:.0%}")
-    noisy = harness.noise_warning("overhead", noise, "Rerun on an idle machine (or with --threads=1 and more "
+    noisy = harness.noise_warning("overhead", max(harness.span(course_tps), harness.span(hand_tps)), "Rerun on an idle machine (or with --threads=1 and more "
                                   "--rounds) before trusting the ratio; the CPU-second ratio above is the less "
                                   "disturbed figure.")
     return {

@@ -119,7 +119,7 @@ def _report(opts: dict[str, Any], runs: list[dict[str, Any]], label: dict[str, s
           f"on this machine ({os.cpu_count()} CPU(s) visible)")
     spread = max(harness.spread(v) for v in tps.values())
     busy = harness.noise_warning(
-        "ddp_vs_threads", spread, "Other processes on the same cores stall the multi-threaded run's OpenMP "
+        "ddp_vs_threads", max(harness.span(v) for v in tps.values()), "Other processes on the same cores stall the multi-threaded run's OpenMP "
         "barriers and the DDP ranks' collectives differently, so the ratio can swing either way: rerun on an "
         "idle machine with --repeats=3.", load=load_at_start)
     return {"bench": "ddp_vs_threads", "options": opts, "runs": runs, "ddp_tokens_per_s": ddp_med,

@@ -238,7 +238,7 @@ def _run_size(name: str, size: Size, opts: dict[str, Any], device: torch.device,
                "hand_mfu": fpt * med["hand"] / peak if peak else None,
                "course_peak_memory_bytes": mem["course"] if device.type == "cuda" else None,
                "hand_peak_memory_bytes": mem["hand"] if device.type == "cuda" else None}
-        row["noisy"] = row["spread"] > harness.NOISY
+        row["noisy"] = max(harness.span(tps["course"]), harness.span(tps["hand"])) > harness.DISTURBED_SPAN
         rows.append(row)
         mfu = f", MFU {row['course_mfu']:.1%}" if peak else ""
         print(f"[gpu] {name} {'compiled' if compiled else 'eager'}: course {med['course']:,.0f} tok/s, hand "
@@ -356,7 +356,8 @@ def gpu(opts: dict[str, Any]) -> dict[str, Any]:
         print("course/hand per CPU-second of this process (less disturbed by other work): "
               + ", ".join(f"{r['size']} {'compiled' if r['compile'] else 'eager'} {r['ratio_cpu_time']:.3f}" for r in rows))
         print(f"peak memory: {NO_CPU_MEMORY}")
-    harness.noise_warning("gpu", max(r["spread"] for r in rows), "Rerun on an idle machine (on a CPU: or with "
+    span = max(harness.span(r[f"{k}_tokens_per_s"]) for r in rows for k in ("course", "hand"))
+    harness.noise_warning("gpu", span, "Rerun on an idle machine (on a CPU: or with "
                           "--threads=1 and more --repeats) before trusting the ratio"
                           + ("; the CPU-second ratio above is the less disturbed figure." if not on_gpu else "."))
     return {"bench": "gpu", "options": opts, "device": str(device), "gpu": gpu_name, "scale": scale,
