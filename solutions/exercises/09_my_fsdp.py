@@ -52,7 +52,7 @@ from ddp_course.dist import log, setup
 warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
 
 SHAPE = {"block_size": 32, "n_layer": 2, "n_head": 2, "n_embd": 32}
-MICRO_BATCH_SIZE, STEPS, LR, SEED = 4, 3, 1e-2, 0
+MICRO_BATCH_SIZE, STEPS, LR, SEED = 4, 4, 1e-2, 0
 PREFETCH = 1  # further units whose all-gather starts before a unit computes (0: none)
 # bf16 keeps 8 significant bits: every weight and activation is rounded by up to 2^-9 of itself. The
 # mean loss over the ranks' 2 x 4 x 32 tokens, each term computed from such numbers, is allowed one bf16
@@ -459,8 +459,9 @@ def train(kind: str, opt_name: str, dtype, prefetch: int, rank: int, world_size:
     fsdp = MyFSDP(model, units=units, compute_dtype=dtype, prefetch=prefetch)
     opt = optimizer(opt_name, fsdp.parameters())
     ref, ref_losses, ref_grads = reference(kind, opt_name, world_size)
-    losses, problems, grad_ratio, comm = [], [], {}, {}
+    losses, problems, grad_ratio, comm, waits = [], [], {}, {}, []
     for step in range(STEPS):
+        waited = fsdp.watch.waited_s
         counter = CollectiveCounter() if step == STEPS - 1 else None
         if counter is not None:
             counter.__enter__()
@@ -480,6 +481,7 @@ def train(kind: str, opt_name: str, dtype, prefetch: int, rank: int, world_size:
             break
         if step == 0:
             grad_ratio = _grad_ratios(fsdp, ref_grads, rank, world_size)
+        waits.append(fsdp.watch.waited_s - waited)  # this step's time in before_forward / before_backward
         opt.step()
         opt.zero_grad(set_to_none=True)
         mean = loss.detach().float().clone()
@@ -499,7 +501,7 @@ def train(kind: str, opt_name: str, dtype, prefetch: int, rank: int, world_size:
             "shard_names": fsdp.shard_names, "shard_bytes": sum(p.numel() * 4 for p in fsdp.shards),
             "replicated_bytes": sum(p.numel() * 4 for p in fsdp.replicated),
             "peak_param_bytes": fsdp.watch.peak, "computes": fsdp.watch.computes[-2 * len(fsdp.units):],
-            "wait_s": fsdp.watch.waited_s, "comm": comm,
+            "wait_s": waits, "comm": comm,
             "units": {n: [t.numel() for t in u.full] for n, u in fsdp.units.items()}}
 
 
@@ -542,8 +544,10 @@ def main() -> None:
                 f"{r['peak_param_bytes']:,}; computes with an all-gather in flight {flying}/{len(r['computes'])}"
                 f"{'; ' + r['grad_problems'][0] if r['grad_problems'] else ''} -> {'PASS' if good else 'FAIL'}",
                 all_ranks=True)
+        settings = {"micro_batch_size": MICRO_BATCH_SIZE, "steps": STEPS, "lr": LR, "seed": SEED,
+                    "bf16_loss_rtol": BF16_LOSS_RTOL}
         sys.stdout.write("RESULT " + json.dumps({"rank": info.rank, "world_size": info.world_size, "shape": SHAPE,
-                                                 "runs": rows, "ok": ok}) + "\n")  # one write per rank
+                                                 "settings": settings, "runs": rows, "ok": ok}) + "\n")  # one write
         sys.stdout.flush()
     raise SystemExit(0 if ok else 1)
 

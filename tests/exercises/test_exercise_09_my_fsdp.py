@@ -1,5 +1,6 @@
 """Exercise 09's third part (FSDP by hand): the grader accepts the solution, and another correct answer
-spelled otherwise, and rejects each classic mistake, saying which one it is.
+spelled otherwise, and rejects each classic mistake, saying which one it is. The solution's verdict is
+the one lesson 09's grading cell got for the same file in this session, when it ran (``notebook_runs``).
 
 Every wrong attempt is the answered solution with ONE function body replaced (what a learner would
 have written there), run for real on 2 ranks two at a time -- except the uneven shards, which the
@@ -10,8 +11,9 @@ on the solution's own rows altered the way those mistakes alter them.
 
 from __future__ import annotations
 
+import notebook_runs
 import pytest
-from harness import answered_exercise, exercise_attempt, grade_in_pairs, graded_solution, rejected_and_named
+from harness import answered_exercise, exercise_attempt, grade_in_pairs, rejected_and_named
 
 from ddp_course.check import replace_function_body
 from ddp_course.course.l09_fsdp import grader_my_fsdp as grader
@@ -21,7 +23,12 @@ NAME = "09_my_fsdp.py"
 
 @pytest.fixture(scope="module")
 def solution(tmp_path_factory):
-    return graded_solution(tmp_path_factory.mktemp("my_fsdp"), "09", NAME, grader, timeout=180)
+    """(verdict, its RESULT rows by rank, the grader's references, the path) of the answered solution: the
+    job lesson 09's grading cell ran on the same file in this session, when it did (``notebook_runs``)."""
+    path = tmp_path_factory.mktemp("my_fsdp") / NAME
+    path.write_text(answered_exercise(NAME), encoding="utf-8")
+    verdict = notebook_runs.grade("09", path, timeout=180)
+    return verdict, sorted(getattr(verdict, "records", []), key=lambda r: r["rank"]), grader.references(path), path
 
 
 @pytest.mark.timeout(240)
