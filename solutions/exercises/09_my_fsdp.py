@@ -170,6 +170,8 @@ class Unit:
             buffer.untyped_storage().resize_(buffer.numel() * buffer.element_size())
         self.works = [start_gather(s.detach(), b, self.world_size) for s, b in zip(self.shards, self.buffers)]
         self.state = "gathering"
+        if any(work is None for work in self.works):  # no handle: the all-gather ran to its end before returning
+            self.watch.synchronous += 1
         self.watch.started(self)
 
     def wait(self) -> None:
@@ -204,6 +206,7 @@ class Watch:
         self.peak = 0
         self.computes: list[dict] = []
         self.waited_s = 0.0
+        self.synchronous = 0  # start() calls whose all-gathers returned no handle (not asynchronous)
 
     def sample(self) -> None:
         self.peak = max(self.peak, self.base + sum(u.gathered_bytes() for u in self.units))
@@ -216,8 +219,8 @@ class Watch:
 
     def computing(self, unit: Unit, phase: str) -> None:
         self.sample()
-        self.computes.append({"unit": unit.name, "phase": phase,
-                              "in_flight": [u.name for u in self.units if u.state == "gathering"]})
+        self.computes.append({"unit": unit.name, "phase": phase, "in_flight": [
+            u.name for u in self.units if u.state == "gathering" and all(w is not None for w in u.works)]})
 
 
 class MyFSDP(nn.Module):
@@ -501,7 +504,7 @@ def train(kind: str, opt_name: str, dtype, prefetch: int, rank: int, world_size:
             "shard_names": fsdp.shard_names, "shard_bytes": sum(p.numel() * 4 for p in fsdp.shards),
             "replicated_bytes": sum(p.numel() * 4 for p in fsdp.replicated),
             "peak_param_bytes": fsdp.watch.peak, "computes": fsdp.watch.computes[-2 * len(fsdp.units):],
-            "wait_s": waits, "comm": comm,
+            "wait_s": waits, "synchronous_gathers": fsdp.watch.synchronous, "comm": comm,
             "units": {n: [t.numel() for t in u.full] for n, u in fsdp.units.items()}}
 
 

@@ -5,8 +5,9 @@ the one lesson 09's grading cell got for the same file in this session, when it 
 Every wrong attempt is the answered solution with ONE function body replaced (what a learner would
 have written there), run for real on 2 ranks two at a time -- except the uneven shards, which the
 grader finds before any job by calling ``shard_of`` in its own process, and the mistakes whose rows are
-exactly predictable (a gradient in the unsharded shape, replicated gradients never reduced), judged
-on the solution's own rows altered the way those mistakes alter them.
+exactly predictable (a gradient in the unsharded shape, replicated gradients summed or never reduced, an
+all-gather that is not asynchronous), judged on the solution's own rows altered the way those mistakes
+alter them.
 """
 
 from __future__ import annotations
@@ -72,9 +73,6 @@ MISTAKES = {
                                             "    dist.reduce_scatter_tensor(mine, padded)\n"
                                             "    return mine[:shard_numel] / world_size\n",
                                             ("gradients left in the compute dtype", "bfloat16", "fp32")),
-    "replicated gradients summed": ("average_replicated", "    dist.all_reduce(grad)\n",
-                                    ("replicated parameters' gradients summed, not averaged", "2.00 times",
-                                     "average_replicated")),
     # every all-gather waited for as soon as it is started: no overlap in forward
     "prefetch that waits at once": ("before_forward",
                                     "    for unit in units[i:i + 1 + prefetch]:\n"
@@ -149,6 +147,12 @@ def test_diagnosis_names_the_mistakes_whose_rows_are_predictable(solution):
                                     "parameter fp32 of shape (1536,)"]
     v = grader.diagnose(_rows(records, unsharded), **refs)
     assert not v.ok and "unsharded shape" in v.message and "shard_numel" in v.message, v.message
+    # replicated gradients summed over the ranks and never divided: exactly 2 times the reference's
+    def summed(run):
+        run["grad_ratio"]["replicated"] = 2.0
+    v = grader.diagnose(_rows(records, summed), **refs)
+    for phrase in ("replicated parameters' gradients summed, not averaged", "2.00 times", "average_replicated"):
+        assert phrase in v.message and not v.ok, v.message
     # replicated gradients never reduced: each rank's own batch; neither the average nor the sum
     def own(run):
         run["grad_ratio"]["replicated"] = 1.31
@@ -159,6 +163,13 @@ def test_diagnosis_names_the_mistakes_whose_rows_are_predictable(solution):
         run["shard_numels_summed"] = [n + n % 2 + 1 for n in run["weight_numels"]]
     v = grader.diagnose(_rows(records, padded), **refs)
     assert not v.ok and "uneven shards" in v.message and "padding" in v.message, v.message
+    # an all-gather that is not asynchronous (start_gather returns no handle): nothing is ever in flight
+    def synchronous(run):
+        run["synchronous_gathers"] = 12
+        for c in run["computes"]:
+            c["in_flight"] = []
+    v = grader.diagnose(_rows(records, synchronous), **refs)
+    assert not v.ok and "prefetch that waits at once" in v.message and "async_op=True" in v.message, v.message
     # not bit for bit although everything else is right
     def off(run):
         if run["optimizer"] == "sgd":

@@ -148,6 +148,9 @@ def collect(path: str | Path, timeout: float = 180) -> list[dict] | Verdict:
 
 
 def _hint(output: str) -> str:
+    if "compute its backward with its weights gathering" in output:
+        return (" before_backward started units[i]'s all-gather but did not wait for it: autograd would read the "
+                "buffer before the data arrived. Wait for units[i] before its backward computes.")
     if "compute its backward with its weights" in output:
         return (" No gather before backward: after_forward freed the unit's weights, and nothing gathered them "
                 "again before autograd needed them (a matrix product's backward reads the weight it multiplied "
@@ -236,6 +239,11 @@ def _prefetch_problem(rows: list[dict]) -> str | None:
         for phase in ("forward", "backward"):
             computes = [c for c in run["computes"] if c["phase"] == phase]
             flying = sum(bool(c["in_flight"]) for c in computes)
+            if run["prefetch"] > 0 and flying == 0 and run.get("synchronous_gathers", 0):
+                return (f"prefetch that waits at once: start_gather returned no handle ({run['synchronous_gathers']} "
+                        "times), so each all-gather ran to its end before start() returned and none was ever in "
+                        f"flight while a unit computed its {phase}. Start it asynchronously (async_op=True) and return "
+                        "its handle: the wait belongs to wait().")
             if run["prefetch"] > 0 and flying == 0:
                 return (f"prefetch that waits at once: with prefetch={run['prefetch']}, none of the {len(computes)} "
                         f"units' {phase} computations began with another unit's all-gather in flight, so "
