@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import functools
 import inspect
 import os
 import pkgutil
@@ -25,7 +26,6 @@ from ddp_course.cli import GRAMMAR, HELP_FLAGS, FlagError, close_keys, convert, 
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 DEVICES = ("auto", "cpu", "cuda")
-COMM_HOOKS = ("none", "fp16", "bf16", "int8")
 DATA_ORDERS = ("sampler", "stream")
 
 
@@ -33,48 +33,109 @@ class ConfigError(FlagError):
     """A bad flag or value. The message is one paragraph that says what to do instead."""
 
 
-# The strategies are the modules of ddp_course/parallel. They are listed from that folder, not by
-# importing the package: ddp_course.parallel imports this module (ConfigError, TrainConfig), never
-# the other way round, so the import graph stays acyclic.
+# The strategies are the modules of ddp_course/parallel, and each one's options live in its own file
+# (``OPTIONS = {name: (default, help, check)}``). Both are read from that folder, from the files' syntax,
+# not by importing them: ddp_course.parallel imports this module (ConfigError, TrainConfig), never the
+# other way round, and listing the options needs no torch. This module names no strategy.
 STRATEGY_DIR = Path(__file__).resolve().with_name("parallel")
-_STRATEGY_ORDER = {"single": 0, "dp": 1, "ddp": 2, "fsdp": 3, "fsdp_tp": 5}
+CHECKS = ("positive", "0 or more", "at least 1")  # an option's check: one of these, a tuple of choices, or None
+Option = tuple[Any, str, Any]  # (default, help, check)
 
 
 def available_strategies() -> tuple[str, ...]:
-    """Names of the modules in ``ddp_course/parallel`` (adding a strategy is adding one file)."""
+    """Names of the modules in ``ddp_course/parallel`` (adding a strategy is adding one file), in the
+    order of their ``HELP_ORDER`` (then by name)."""
     names = [m.name for m in pkgutil.iter_modules([str(STRATEGY_DIR)]) if not m.name.startswith("_")]
-    return tuple(sorted(names, key=lambda n: (_STRATEGY_ORDER.get(n, 99), n)))
+    return tuple(sorted(names, key=lambda n: (strategy_constant(n, "HELP_ORDER", 99), n)))
+
+
+@functools.cache
+def _constants(name: str) -> tuple[str, dict[str, ast.expr]]:
+    """A strategy file's docstring and its top-level assignments, by name (its syntax tree, not run)."""
+    tree = ast.parse((STRATEGY_DIR / f"{name}.py").read_text(encoding="utf-8"))
+    assigned = {t.id: node.value for node in tree.body if isinstance(node, ast.Assign)
+                for t in node.targets if isinstance(t, ast.Name)}
+    return ast.get_docstring(tree) or "", assigned
+
+
+def _evaluate(node: ast.expr, where: str) -> Any:
+    """A constant's value from its syntax: a literal, another strategy's constant (``ddp.OPTIONS``), an
+    entry of one (``fsdp.OPTIONS["x"]``), or a dict of those (``{**fsdp.OPTIONS, "x": ...}``)."""
+    if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+        return strategy_constant(node.value.id, node.attr)
+    if isinstance(node, ast.Subscript):
+        return _evaluate(node.value, where)[ast.literal_eval(node.slice)]
+    if isinstance(node, ast.Dict):
+        out: dict[Any, Any] = {}
+        for key, value in zip(node.keys, node.values):
+            out.update(_evaluate(value, where) if key is None else {ast.literal_eval(key): _evaluate(value, where)})
+        return out
+    try:
+        return ast.literal_eval(node)
+    except ValueError:
+        raise ConfigError(f"{where} is not a literal nor another strategy's constant: the course reads it without "
+                          "running the file (nor torch), so write it out.") from None
+
+
+def strategy_constant(name: str, constant: str, default: Any = None) -> Any:
+    """The value of ``constant`` in ``ddp_course/parallel/<name>.py``, read without importing it."""
+    node = _constants(name)[1].get(constant)
+    return default if node is None else _evaluate(node, f"ddp_course/parallel/{name}.py: {constant}")
 
 
 def strategy_summary(name: str) -> tuple[str, tuple[str, ...]]:
-    """A strategy's first docstring line and the options it declares (its module's ``OPTIONS``: the
-    ``TrainConfig`` fields it reads), read from its file without importing it (nor torch).
+    """A strategy's first docstring line and the names of its options (its file's ``OPTIONS``)."""
+    doc = _constants(name)[0].strip().splitlines()
+    return (doc[0] if doc else ""), tuple(own_options(name))
 
-    ``OPTIONS`` is a tuple of names, or another strategy's (``OPTIONS = ddp.OPTIONS``).
-    """
-    tree = ast.parse((STRATEGY_DIR / f"{name}.py").read_text(encoding="utf-8"))
-    doc = (ast.get_docstring(tree) or "").strip().splitlines()
-    options: tuple[str, ...] = ()
-    for node in tree.body:
-        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "OPTIONS" for t in node.targets):
-            if isinstance(node.value, ast.Attribute) and isinstance(node.value.value, ast.Name):
-                options = strategy_summary(node.value.value.id)[1]
-            else:
-                options = tuple(ast.literal_eval(node.value))
-    return (doc[0] if doc else ""), options
+
+def own_options(name: str) -> dict[str, Option]:
+    """``{option: (default, help, check)}`` of one strategy, checked for shape."""
+    options = strategy_constant(name, "OPTIONS", {})
+    for option, spec in options.items():
+        ok = (isinstance(option, str) and isinstance(spec, tuple) and len(spec) == 3 and isinstance(spec[1], str)
+              and type(spec[0]) in (bool, int, float, str) and (spec[2] is None or spec[2] in CHECKS
+                                                                or isinstance(spec[2], tuple)))
+        if not ok:
+            raise ConfigError(f"ddp_course/parallel/{name}.py: OPTIONS[{option!r}] = {spec!r} is not (default, help, "
+                              f"check): a default of type bool, int, float or str, its help, and a check that is "
+                              f"None, a tuple of choices or one of {', '.join(CHECKS)}.")
+    return options
 
 
 def strategy_options() -> dict[str, tuple[str, ...]]:
     """``{option: strategies that read it}`` for every option a strategy declares."""
     owners: dict[str, tuple[str, ...]] = {}
     for name in available_strategies():
-        for option in strategy_summary(name)[1]:
+        for option in own_options(name):
             owners[option] = (*owners.get(option, ()), name)
     return owners
 
 
+def option_specs() -> dict[str, Option]:
+    """Every strategy's options, once each; two strategies that declare one option alike share it."""
+    specs: dict[str, Option] = {}
+    for name in available_strategies():
+        for option, spec in own_options(name).items():
+            if specs.setdefault(option, spec) != spec:
+                raise ConfigError(f"--{option} is declared twice, differently (ddp_course/parallel/{name}.py and "
+                                  "another strategy): share the other's entry (other.OPTIONS[name]).")
+    return specs
+
+
+def _check_option(name: str, value: Any, spec: Option) -> None:
+    _, help_, check = spec
+    if isinstance(check, tuple) and value not in check:
+        raise ConfigError(f"--{name}={value!r} is not one of {', '.join(map(str, check))} ({help_}).")
+    bounds = {"positive": lambda v: v > 0, "0 or more": lambda v: v >= 0, "at least 1": lambda v: v >= 1}
+    if isinstance(check, str) and not bounds[check](value):
+        raise ConfigError(f"--{name} must be {check} (got {value}): {help_}.")
+
+
 @dataclass(kw_only=True)
-class TrainConfig:
+class CoreConfig:
+    """The options of the training run that are no strategy's own (TrainConfig adds those)."""
+
     # --- what runs where -------------------------------------------------------------------
     strategy: str = "single"  # how the model is replicated: one of the strategies listed below
     device: str = "auto"  # auto: CUDA+NCCL when every local rank has its own GPU, else CPU+gloo
@@ -105,12 +166,6 @@ class TrainConfig:
     weight_decay: float = 0.1  # AdamW decay, applied to matrices only
     grad_clip: float = 1.0  # clip the global gradient norm to this (0 = off)
     seed: int = 1337  # model init is seeded identically on every rank; data order per epoch
-    # --- DDP internals (lesson 05) ----------------------------------------------------------
-    bucket_cap_mb: float = 25.0  # gradient bucket size: one all-reduce per bucket
-    broadcast_buffers: bool = True  # DDP re-broadcasts rank 0's buffers before every forward
-    find_unused_parameters: bool = False  # tolerate parameters that get no gradient (costs a graph walk)
-    static_graph: bool = False  # promise the graph is the same every step (lets DDP optimise)
-    comm_hook: str = "none"  # gradient compression on the wire: none | fp16 | bf16 | int8
     # --- evaluation, logging, checkpoints ----------------------------------------------------
     eval_interval: int = 50  # evaluate every N steps (and at the end); 0 = only at the end
     eval_batches: int = 8  # validation micro-batches per rank per evaluation
@@ -124,13 +179,6 @@ class TrainConfig:
     sample_tokens: int = 0  # if > 0: generate this many characters at the end (rank 0)
     fail_at_step: int = -1  # fault injection: rank `fail_rank` raises after this step, on torchrun's first attempt only (-1 = off)
     fail_rank: int = 0  # which rank fails when fail_at_step is set
-    # --- FSDP (lesson 09) --------------------------------------------------------------------
-    reshard_after_forward: bool = True  # FSDP: free each block's gathered parameters after its forward (ZeRO-3); false keeps them for backward (ZeRO-2-like)
-    fsdp_mixed_precision: bool = False  # FSDP: compute with bf16 copies of the parameters, reduce gradients in fp32 (MixedPrecisionPolicy)
-    fsdp_shard_size: int = 0  # FSDP: ranks that split one copy of the model between them; 0 = all ranks; a divisor of the world size = hybrid (replicate x shard)
-    fsdp_cpu_offload: bool = False  # FSDP: keep the sharded parameters, gradients and optimizer states in CPU memory (needs a GPU)
-    # --- FSDP x tensor parallel (lesson 13) ---------------------------------------------------
-    tp: int = 1  # fsdp_tp: tensor-parallel ranks (heads, width and sequence split over them); the data-parallel size is the world size / tp
 
     def __post_init__(self) -> None:
         self.validate()
@@ -160,19 +208,13 @@ class TrainConfig:
             raise bad(f"--timeout_s must be positive (got {self.timeout_s}).")
         if self.data_order not in DATA_ORDERS:
             raise bad(f"--data_order={self.data_order!r} is not a data order; choose one of {', '.join(DATA_ORDERS)}.")
-        if self.comm_hook not in COMM_HOOKS:
-            raise bad(f"--comm_hook={self.comm_hook!r} is not a hook; choose one of {', '.join(COMM_HOOKS)}.")
-        if self.bucket_cap_mb <= 0:
-            raise bad(f"--bucket_cap_mb must be positive (got {self.bucket_cap_mb}).")
         if self.ckpt_format not in ("full", "sharded"):
             raise bad(f"--ckpt_format={self.ckpt_format!r} is not a checkpoint format; choose full or sharded.")
-        if self.fsdp_shard_size < 0:
-            raise bad(f"--fsdp_shard_size must be 0 (shard over all ranks) or a divisor of the world size "
-                      f"(got {self.fsdp_shard_size}).")
         if self.global_batch_size < 0:
             raise bad(f"--global_batch_size must be 0 (unused) or positive (got {self.global_batch_size}).")
-        if self.tp < 1:
-            raise bad(f"--tp is the number of tensor-parallel ranks and must be at least 1 (got {self.tp}).")
+        for name, spec in option_specs().items():  # each strategy's options, by the checks its file gives
+            if hasattr(self, name):
+                _check_option(name, getattr(self, name), spec)
 
     def resolve_batch(self, world_size: int) -> None:
         """Fix ``grad_accum_steps`` from ``global_batch_size`` for this world size.
@@ -209,6 +251,14 @@ class TrainConfig:
 
     def replace(self, **changes: Any) -> TrainConfig:
         return from_dict({**self.to_dict(), **changes})
+
+
+# The config of a run: CoreConfig's fields, then every strategy's options (its file's OPTIONS).
+TrainConfig = dataclasses.make_dataclass(
+    "TrainConfig", [(name, type(default), dataclasses.field(default=default))
+                    for name, (default, _, _) in option_specs().items()],
+    bases=(CoreConfig,), kw_only=True,
+    namespace={"__module__": __name__, "__doc__": "CoreConfig's fields and every strategy's own options."})
 
 
 def _field_types() -> dict[str, type]:
@@ -267,7 +317,7 @@ def help_text(prog: str = "python -m ddp_course.train", example: str = TRAIN_EXA
               extra: dict[str, tuple[Any, str]] | None = None) -> str:
     """``--help``: every field, its default and the comment written beside it (after ``extra``, the
     options of a command around the training run: ``{name: (default, help)}``)."""
-    src = inspect.getsource(TrainConfig).splitlines()
+    src = inspect.getsource(CoreConfig).splitlines()
     comments = {}
     for line in src:
         stripped = line.strip()
@@ -277,6 +327,7 @@ def help_text(prog: str = "python -m ddp_course.train", example: str = TRAIN_EXA
     flags = {f"--{name}={default!s}": text for name, (default, text) in (extra or {}).items()}
     summaries = {name: strategy_summary(name) for name in available_strategies()}
     owned = {option for _, options in summaries.values() for option in options}
+    comments.update({name: text for name, (_, text, _) in option_specs().items()})
     fields = {f.name: (f"--{f.name}={f.default!s}", comments.get(f.name, "")) for f in dataclasses.fields(TrainConfig)}
     flags.update({flag: text for name, (flag, text) in fields.items() if name not in owned})
     width = max(*map(len, flags), *(len(fields[o][0]) + 4 for o in owned)) + 2  # one column for every text

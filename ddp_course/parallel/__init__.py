@@ -10,9 +10,14 @@ name in the module       what it decides                             default
 =======================  ==========================================  =========================================
 ``NEEDS_PROCESS_GROUP``  whether it needs torchrun and a process     ``True`` (``single`` and ``dp`` say
                          group (checked before anything is built)    ``False``: one process)
-``OPTIONS``              the ``TrainConfig`` fields that are its own  ``()``
-                         (``--help`` lists them under the strategy;
+``OPTIONS``              its own options, ``{name: (default, help,   ``{}``
+                         check)}``: ``TrainConfig`` fields, checked,
+                         listed under it by ``--help`` (read from the
+                         file by ``config``, without importing it;
                          another's: ``OPTIONS = ddp.OPTIONS``)
+``TWO_RANKS``            the values of its options it needs to run   ``{}``
+                         on 2 ranks (the every-strategy test)
+``HELP_ORDER``           its place in ``--help``'s list               99, then by name
 ``HELPERS``              its public names that are not hooks          ``()``
 ``build_optimizer``      ``(model, cfg, device) -> Optimizer``       :func:`adamw`: decay on matrices only
 ``sync_context``         ``(model, sync) -> context``: a micro-step  a no-op context (nothing is synchronised
@@ -101,8 +106,10 @@ class StrategyModule(Protocol):
 
     NEEDS_PROCESS_GROUP: bool
     LAUNCH_EXAMPLE: str
-    OPTIONS: tuple[str, ...]
+    OPTIONS: dict[str, tuple[Any, str, Any]]
     HELPERS: tuple[str, ...]
+    TWO_RANKS: dict[str, Any]
+    HELP_ORDER: int
 
     def wrap(self, model: nn.Module, info: DistInfo, cfg: TrainConfig) -> nn.Module: ...
     def build_optimizer(self, model: nn.Module, cfg: Any, device: torch.device) -> torch.optim.Optimizer: ...
@@ -124,7 +131,8 @@ class StrategyModule(Protocol):
 HOOKS: dict[str, int] = {name: len(inspect.signature(fn).parameters) - 1
                          for name, fn in vars(StrategyModule).items() if inspect.isfunction(fn) and name[0] != "_"}
 # the constants the contract reads, with the type each must hold
-CONSTANTS: dict[str, type] = {"NEEDS_PROCESS_GROUP": bool, "LAUNCH_EXAMPLE": str, "OPTIONS": tuple, "HELPERS": tuple}
+CONSTANTS: dict[str, type] = {"NEEDS_PROCESS_GROUP": bool, "LAUNCH_EXAMPLE": str, "OPTIONS": dict, "HELPERS": tuple,
+                              "TWO_RANKS": dict, "HELP_ORDER": int}
 STATE_HOOKS = ("state_dict", "load_state_dict", "model_state_dict", "has_state")  # what checkpoint asks
 CONTRACT = "ddp_course/parallel/__init__.py"
 

@@ -32,8 +32,15 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from ddp_course.config import TrainConfig
 from ddp_course.dist import DistInfo
 
-# the TrainConfig options this strategy reads (python -m ddp_course.train --help lists them under it)
-OPTIONS = ("bucket_cap_mb", "broadcast_buffers", "find_unused_parameters", "static_graph", "comm_hook")
+# its options, {name: (default, help, check)}: TrainConfig fields, listed under it by --help (lesson 05)
+OPTIONS = {
+    "bucket_cap_mb": (25.0, "gradient bucket size: one all-reduce per bucket", "positive"),
+    "broadcast_buffers": (True, "DDP re-broadcasts rank 0's buffers before every forward", None),
+    "find_unused_parameters": (False, "tolerate parameters that get no gradient (costs a graph walk)", None),
+    "static_graph": (False, "promise the graph is the same every step (lets DDP optimise)", None),
+    "comm_hook": ("none", "gradient compression on the wire: none | fp16 | bf16 | int8", ("none", "fp16", "bf16", "int8")),
+}
+HELP_ORDER = 2  # its place in --help's list of strategies
 
 HELPERS = ("bf16_hook", "int8_hook", "comm_hook", "ddp_kwargs")  # public, not hooks: lessons 05 and 07 use them
 

@@ -25,6 +25,7 @@ from ddp_course.config import TrainConfig
 from ddp_course.dist import DeviceError, DistInfo
 
 NEEDS_PROCESS_GROUP = False  # one process drives every GPU
+HELP_ORDER = 1  # its place in --help's list of strategies
 
 HELPERS = ("lm_loss", "cuda_gpus", "refusal")  # public, not hooks: lesson 03 uses lm_loss
 

@@ -18,7 +18,7 @@ gradients. Optimizer states are created from the sharded parameters, so AdamW's 
 sharded too. The root keeps its gathered parameters after forward (PyTorch's advice: the backward
 starts with it, so freeing them would only mean gathering them again at once).
 
-Options (``TrainConfig``, section "FSDP (lesson 09)"): ``reshard_after_forward``,
+Options (``OPTIONS`` below, fields of ``TrainConfig``): ``reshard_after_forward``,
 ``fsdp_mixed_precision`` (``MixedPrecisionPolicy``: bf16 parameters for compute and all-gather,
 gradients reduced in fp32, sharded parameters and optimizer kept fp32), ``fsdp_shard_size``
 (hybrid sharding, HSDP: a 2-D mesh ``replicate x shard``; shards within a group of ranks, all-reduces
@@ -40,8 +40,18 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from ddp_course.config import ConfigError, TrainConfig
 from ddp_course.dist import DistInfo
 
-# the TrainConfig options this strategy reads (python -m ddp_course.train --help lists them under it)
-OPTIONS = ("reshard_after_forward", "fsdp_mixed_precision", "fsdp_shard_size", "fsdp_cpu_offload")
+# its options, {name: (default, help, check)}: TrainConfig fields, listed under it by --help (lesson 09)
+OPTIONS = {
+    "reshard_after_forward": (True, "FSDP: free each block's gathered parameters after its forward (ZeRO-3); false "
+                              "keeps them for backward (ZeRO-2-like)", None),
+    "fsdp_mixed_precision": (False, "FSDP: compute with bf16 copies of the parameters, reduce gradients in fp32 "
+                             "(MixedPrecisionPolicy)", None),
+    "fsdp_shard_size": (0, "FSDP: ranks that split one copy of the model between them; 0 = all ranks; a divisor of "
+                        "the world size = hybrid (replicate x shard)", "0 or more"),
+    "fsdp_cpu_offload": (False, "FSDP: keep the sharded parameters, gradients and optimizer states in CPU memory "
+                         "(needs a GPU)", None),
+}
+HELP_ORDER = 3  # its place in --help's list of strategies
 # public, not hooks: its own (fsdp1, fsdp_tp and lesson 09 use them) and the two of PyTorch it calls
 HELPERS = ("shard_layout", "device_mesh", "mp_policy", "cpu_offload", "offload_policy", "plain_copy", "fully_shard",
            "init_device_mesh")

@@ -42,8 +42,7 @@ from ddp_course.config import ConfigError, TrainConfig
 from ddp_course.dist import DistInfo
 from ddp_course.parallel import _optimizer, fsdp
 
-# the TrainConfig options this strategy reads (python -m ddp_course.train --help lists them under it)
-OPTIONS = ("reshard_after_forward", "fsdp_mixed_precision", "fsdp_shard_size", "fsdp_cpu_offload")
+OPTIONS = fsdp.OPTIONS  # the same options as FSDP2's, mapped to FSDP1's (the table above)
 HELPERS = ("sharding_strategy",)  # public, not a hook: lesson 09 uses it
 
 

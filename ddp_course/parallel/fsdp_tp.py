@@ -40,8 +40,15 @@ from ddp_course.parallel import _tensor_parallel as heads
 from ddp_course.parallel import _tp_plan as tp_plan
 from ddp_course.parallel import fsdp
 
-# the TrainConfig options this strategy reads (python -m ddp_course.train --help lists them under it)
-OPTIONS = ("tp", "reshard_after_forward", "fsdp_mixed_precision")
+# its options, {name: (default, help, check)}: TrainConfig fields, listed under it by --help (lesson 13)
+OPTIONS = {
+    "tp": (1, "fsdp_tp: tensor-parallel ranks (heads, width and sequence split over them); the data-parallel size "
+           "is the world size / tp", "at least 1"),
+    "reshard_after_forward": fsdp.OPTIONS["reshard_after_forward"],
+    "fsdp_mixed_precision": fsdp.OPTIONS["fsdp_mixed_precision"],
+}
+TWO_RANKS = {"tp": 2}  # what it needs to run on 2 ranks (tests/core/test_every_strategy.py): a 1 x 2 mesh
+HELP_ORDER = 5  # its place in --help's list of strategies
 
 HELPERS = ("layout", "device_mesh", "init_device_mesh", "fully_shard")  # public, not hooks: lesson 13 uses the first two
 

@@ -29,8 +29,7 @@ from ddp_course.config import TrainConfig
 from ddp_course.dist import DistInfo
 from ddp_course.parallel import _optimizer, ddp
 
-# the TrainConfig options this strategy reads (python -m ddp_course.train --help lists them under it)
-OPTIONS = ddp.OPTIONS  # the model is wrapped as --strategy=ddp wraps it
+OPTIONS = ddp.OPTIONS  # its options (TrainConfig fields): the model is wrapped as --strategy=ddp wraps it
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.state_dict import StateDictOptions

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from harness import TINY, free_port, spawn
 
-from ddp_course import checkpoint, parallel
+from ddp_course import checkpoint, config, parallel
 from ddp_course.config import TrainConfig, available_strategies
 from ddp_course.dist import DeviceError, DistInfo, clean_exit
 from ddp_course.metrics import read_jsonl
@@ -44,7 +44,8 @@ WORLD = 2
 STEPS, CKPT = 4, 2
 RUN = {**TINY, "max_steps": STEPS, "ckpt_interval": CKPT, "log_interval": 1, "eval_interval": 0, "warmup_steps": 1,
        "dropout": 0.1, "lr": 3e-3, "keep_last": STEPS, "sample_tokens": 8}
-OPTIONS = {"fsdp_tp": {"tp": WORLD}}  # values of a strategy's own options, where it needs some to run on WORLD ranks
+# the values of its own options a strategy needs to run on 2 ranks: its file's TWO_RANKS
+OPTIONS = {name: config.strategy_constant(name, "TWO_RANKS", {}) for name in available_strategies()}
 GROUP = [n for n in available_strategies() if parallel.get(n).needs_process_group]
 ALONE = [n for n in available_strategies() if not parallel.get(n).needs_process_group]
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from ddp_course import parallel
+from ddp_course import config, parallel
 from ddp_course.config import ConfigError, TrainConfig
 from ddp_course.dist import DeviceError, DistInfo
 from ddp_course.model import GPTConfig, MiniGPT
@@ -29,6 +29,11 @@ def test_ddp_comm_hook_choice_and_refusals():
     assert ddp.comm_hook("bf16", "nccl").__name__ == "bf16_compress_hook"
     with pytest.raises(ddp.CommHookError, match="choose one of"):
         ddp.comm_hook("fp8", "gloo")
+
+
+def test_ddp_comm_hook_choices_are_its_hooks():
+    """--comm_hook's choices, read from ddp.py without torch, are none and the hooks ddp.HOOKS holds."""
+    assert config.own_options("ddp")["comm_hook"][2] == ("none", *ddp.HOOKS)
 
 
 def test_ddp_kwargs_buffers_flag():
@@ -122,5 +127,5 @@ def test_fsdp_tp_layout_and_data_parallel_ranks():
         fsdp_tp.layout(4, TrainConfig(strategy="fsdp_tp", tp=3))
     with pytest.raises(ConfigError, match="--n_head=3 does not divide by 2"):
         fsdp_tp.layout(4, TrainConfig(strategy="fsdp_tp", tp=2, n_head=3, n_embd=96))
-    with pytest.raises(ConfigError, match="--tp is the number of tensor-parallel ranks"):
-        TrainConfig(tp=0)
+    with pytest.raises(ConfigError, match=r"--tp must be at least 1 \(got 0\): fsdp_tp: tensor-parallel ranks"):
+        TrainConfig(tp=0)  # fsdp_tp.py's check of its own option

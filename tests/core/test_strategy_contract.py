@@ -64,8 +64,8 @@ PROBES = {
         r"the hook sync_context \(a function\) takes 1 argument\(s\); the contract .* calls it with 2"),
     "a misspelt constant": (
         "NEEDS_PROCESS_GROUPS = False\n", r"defines NEEDS_PROCESS_GROUPS \(a bool\).*did you mean NEEDS_PROCESS_GROUP\?"),
-    "a constant of the wrong type (a string, not a tuple of names)": (
-        "OPTIONS = ('tp')\n", r"OPTIONS must be a tuple of names \(it is 'tp': a str\)"),
+    "a constant of the wrong type (a string, not a dict of options)": (
+        "OPTIONS = ('tp')\n", r"OPTIONS must be a dict \(it is 'tp': a str\)"),
     "a lambda under a name of its own": (
         "strip_wrapper = lambda model: model.module\n", r"defines strip_wrapper \(.*<lambda>.*\), which is not a hook"),
     "an upper-case name that holds a function": (
