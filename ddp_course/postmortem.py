@@ -291,6 +291,12 @@ def describe_failure(states: Sequence[RankState], nproc: int, focus: Path | None
     if lost:
         parts.append(f"{_ranks(lost)} then lost {'its' if len(lost) == 1 else 'their'} peer (a consequence, "
                      "not a second mistake)")
+        timed_out = any(TIMED_OUT.search(s.error) for s in causes)
+        for s in (s for s in states if s not in causes and timed_out):  # a wait that timed out: where each peer was
+            own, beyond = _own(s, focus)
+            if own:
+                parts.append(f"rank {s.rank} was waiting here when rank {causes[0].rank} timed out\n"
+                             f"{_where(own, beyond, 'waiting')}")
     stopped = [r for r in range(nproc) if r not in failed]
     seen = {s.rank: s for s in waiting if s.rank in stopped}
     for rank in sorted(seen):
@@ -299,8 +305,9 @@ def describe_failure(states: Sequence[RankState], nproc: int, focus: Path | None
             own = [f for f in seen[rank].frames if _is_focus(f, None)][-1:]
         parts.append(f"rank {rank} was here when {_ranks(sorted(failed))} failed (torchrun then stopped it)\n"
                      f"{_where(own, beyond, 'waiting')}")
-    if seen and any(TIMED_OUT.search(s.error) for s in causes):
-        parts.append("A collective times out when a rank never reaches it: compare where each rank was.")
+    if (seen or lost) and any(TIMED_OUT.search(s.error) for s in causes):
+        parts.append("A collective, a send or a receive times out when its peer never reaches the matching call: "
+                     "compare where each rank was.")
     stopped = [r for r in stopped if r not in seen]
     if stopped:
         parts.append(f"{_ranks(stopped)} {'was' if len(stopped) == 1 else 'were'} stopped by torchrun when "

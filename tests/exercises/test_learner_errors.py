@@ -217,7 +217,7 @@ def test_a_rank_that_never_arrives_when_the_collective_times_out_shows_every_ran
     assert re.search(r"ranks? 0( and \d|, \d)*( and \d)? raised", causes), msg
     assert f'File "{show(path)}", line' in causes, msg  # where rank 0 waited, in the learner's file
     assert frame(path, n) in rank1, f"{name}: rank 1's stuck line {n} is not shown:\n{msg}"
-    assert "A collective times out when a rank never reaches it" in msg, msg
+    assert "times out when its peer never reaches the matching call" in msg, msg
     no_launcher(msg)
     assert not _no_process_left(path)
 

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from ddp_course.cli import FlagError
+from ddp_course.course.l11_beyond_data_parallel import held
 from ddp_course.course.l11_beyond_data_parallel import schedules_lab as sl
 from ddp_course.launch import run
 
@@ -128,7 +129,7 @@ def test_in_flight_closes_a_split_backward_at_its_w():
 
 def test_saved_bytes_counts_what_autograd_keeps_until_the_backward():
     layer = torch.nn.Linear(16, 16)
-    saved = sl.SavedBytes({q.untyped_storage().data_ptr() for q in layer.parameters()})
+    saved = held.SavedBytes({q.untyped_storage().data_ptr() for q in layer.parameters()})
     x = torch.randn(4, 16, requires_grad=True)
     with saved.hooks():
         saved.stage = 0
