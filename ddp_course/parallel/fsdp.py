@@ -52,7 +52,8 @@ OPTIONS = {
                          "(needs a GPU)", None),
 }
 HELP_ORDER = 3  # its place in --help's list of strategies
-# public, not hooks: its own (fsdp1, fsdp_tp and lesson 09 use them) and the two of PyTorch it calls
+# public, not hooks: its own, which other strategies (fsdp1, fsdp_tp) and a lesson's lab use, and the two of
+# PyTorch it calls
 HELPERS = ("shard_layout", "device_mesh", "mp_policy", "cpu_offload", "offload_policy", "plain_copy", "fully_shard",
            "init_device_mesh")
 

@@ -71,7 +71,7 @@ SLOT_COLOURS = {"F": "C0", "B": "C1", "I": "C3", "W": "C2"}
 def schedule_timeline(slots: list[list[tuple]], *, title: str, ax=None, scale: float = 1e3):
     """One step of a schedule, a row per rank: each slot ``(kind, stage, micro-batch, start, end)`` as a
     bar coloured by kind (F forward, B backward, I input gradient, W weight gradient), labelled with
-    the micro-batch and, where a rank holds several stages, the stage; white is idle."""
+    its micro-batch where it is wide enough, paler for a rank's second stage; white is idle."""
     fig, ax = new_axes(ax, (7, 0.5 + 0.45 * len(slots)))
     several = any(len({s for _, s, *_ in rank}) > 1 for rank in slots)
     end_all = max(e for rank in slots for *_, e in rank)

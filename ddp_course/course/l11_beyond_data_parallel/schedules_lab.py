@@ -26,13 +26,15 @@ For every schedule, on every rank:
   counted until autograd lets it go, parameters excluded), after every slot and at their peak, in
   units of one micro-batch's (measured the same way);
 - **time**: each forward, backward, I and W, timed alone (``Recorder``); after one untimed step,
-  ``--repeats`` timed steps. Three idle fractions: the *measured* one, 1 - busy / wall from a common
-  barrier (it counts the transfers and everything between the slots, and means something only when
-  each rank has a core of its own: the first line says how many cores there are); the *replayed*
-  one (``replay``): each rank's order of slots, each lasting the shortest duration of its kind on its
-  stage (the one least disturbed by another rank on the same core), laid out with only the waits the data imposes, what the order costs on a machine with a
-  core per rank and free transfers; and the same replay with *equal stages* (every slot of a kind
-  lasting the kind's mean), the assumption of the textbook formulas (``bubble_formula``);
+  ``--repeats`` timed steps. Three idle fractions, each the mean over the ranks: the *measured* one,
+  1 - busy / wall from a common barrier (it counts the transfers and everything between the slots,
+  and means something only when each rank has a core of its own: the first line says how many cores
+  there are); the *replayed* one (``replay``): each rank's order of slots, each lasting the shortest
+  duration of its kind on its stage over every schedule's run (``pooled_durations``: the one least
+  disturbed by another rank on the same core, one table for all the schedules), laid out with only
+  the waits the data imposes, what the order costs on a machine with a core per rank and free
+  transfers; and the same replay with *equal stages* (every slot of a kind lasting the kind's mean),
+  the assumption of the textbook formulas (``bubble_formula``);
 - **the timeline** of the median repeat, for the lesson's figure.
 
 Rank 0 writes ``schedules_lab.json`` into ``--out_dir``. Every step runs under the process group's
@@ -471,8 +473,27 @@ def equal_stages(orders: list[list[tuple[str, int, int, float]]]) -> list[list[t
     return [[(kind, s, i, mean[kind]) for kind, s, i, _ in o] for o in orders]
 
 
-def summarise(name: str, mine: list[dict[str, Any]], p: int, m: int, ref_loss: float) -> dict[str, Any]:
-    """Every rank's results of one schedule, put together (rank 0 has them all)."""
+def pooled_durations(runs: dict[str, list[dict[str, Any]]]) -> dict[tuple[int, str, int], float]:
+    """The duration of each kind of slot on each stage, ``(v, kind, stage) -> seconds``, pooled over every
+    schedule run with the same stages (v stages per rank) and over every repeat and micro-batch: the
+    shortest. A slot timed while another rank shared its core is longer, by as much as the other's
+    work; with more ranks than cores most are, and the shortest had its core to itself. One table for
+    all the schedules, so that their replays differ by their orders only, not by how each run happened
+    to be disturbed; it keeps what differs between the stages (the first embeds, the last computes the
+    head and the loss)."""
+    spans: dict[tuple[int, str, int], list[float]] = {}
+    for mine in runs.values():
+        for r in mine:
+            for rep in r["repeats"]:
+                for kd, s, _, a, b in rep["slots"]:
+                    spans.setdefault((r["v"], kd, s), []).append(b - a)
+    return {key: min(d) for key, d in spans.items()}
+
+
+def summarise(name: str, mine: list[dict[str, Any]], p: int, m: int, ref_loss: float,
+              durations_of: dict[tuple[int, str, int], float]) -> dict[str, Any]:
+    """Every rank's results of one schedule, put together (rank 0 has them all); ``durations_of``: the
+    slots' durations for the replay (``pooled_durations``)."""
     reps = len(mine[0]["repeats"])
     v, kind = mine[0]["v"], mine[0]["placement"]
     n_stages = p * v
@@ -487,17 +508,7 @@ def summarise(name: str, mine: list[dict[str, Any]], p: int, m: int, ref_loss: f
         measured.append([1 - x / wall for x in busy])
     idle = [statistics.mean(x) for x in measured]
     med = sorted(range(reps), key=lambda k: idle[k])[reps // 2]
-    # the replay: each rank's order, each slot given the shortest duration of its kind on its stage over
-    # every repeat and micro-batch. A slot timed while another rank shared its core is longer, by as much
-    # as the other's work; with more ranks than cores most slots are, and the shortest is the one that
-    # had its core to itself. It keeps what differs between the stages.
-    typical: dict[tuple[str, int], list[float]] = {}
-    for r in mine:
-        for k in range(reps):
-            for kd, s, _, a, b in r["repeats"][k]["slots"]:
-                typical.setdefault((kd, s), []).append(b - a)
-    durations_of = {key: min(d) for key, d in typical.items()}
-    orders = [[(kd, s, i, durations_of[(kd, s)]) for kd, s, i, *_ in r["repeats"][med]["slots"]] for r in mine]
+    orders = [[(kd, s, i, durations_of[(v, kd, s)]) for kd, s, i, *_ in r["repeats"][med]["slots"]] for r in mine]
     replayed, equal = replay(orders, n_stages), replay(equal_stages(orders), n_stages)
     one = {s: b for r in mine for s, b in r["one_micro_batch_bytes"].items()}
     hand = mine[0]["repeats"][0]["peak"] is not None
@@ -520,13 +531,16 @@ def summarise(name: str, mine: list[dict[str, Any]], p: int, m: int, ref_loss: f
         "grad_rel_err_per_stage": {s: e for r in mine for s, e in r["grad_rel_err_per_stage"].items()},
         "one_micro_batch_bytes": one, "peak_bytes": peak,
         "held_micro_batches": {s: peak[s] / one[s] for s in sorted(peak)}, "in_flight": dict(sorted(flight.items())),
+        # per rank, in micro-batches of the rank's own layers: a stage is 1/v of them
+        "in_flight_per_rank": [sum(flight[s] for s in r["stages"]) / v for r in mine],
         # bytes each stage holds after each slot of the median repeat, in micro-batches (by hand only)
         "held_trace": {s: [(k, b / one[s]) for k, (st, _, b) in enumerate(r["repeats"][med]["held"]) if st == s]
                        for r in mine for s in r["stages"]} if hand else {},
         "formula": bubble_formula(p, m, v) if name in ("gpipe", "1f1b", "lib_1f1b", "interleaved_1f1b") else None,
         "measured_idle": idle, "replayed_idle": statistics.mean(replayed["idle"]),
         "equal_stages_idle": statistics.mean(equal["idle"]),
-        "stage_durations_s": {f"{kd}{s}": d for (kd, s), d in sorted(durations_of.items(), key=lambda t: (t[0][1], t[0][0]))},
+        "stage_durations_s": {f"{kd}{s}": d for (w, kd, s), d in sorted(durations_of.items(), key=lambda t: (t[0][2], t[0][1]))
+                              if w == v},
         "replayed_idle_per_rank": replayed["idle"],
         "wall_s": walls, "median_s": {kd: statistics.median(d) for kd, d in durations.items()},
         "timeline": [[(kd, s, i, a + d, b + d) for kd, s, i, a, b in r["repeats"][med]["slots"]]
@@ -590,13 +604,18 @@ def main(argv: list[str]) -> int:
         left_out = {n: r for n in names if (r := not_run_reason(n)) is not None}
         for name, reason in left_out.items():
             log(f"[schedules] {name:<17} {reason}")
+        gathered: dict[str, list[dict[str, Any]]] = {}
+        seconds = {}
         for name in (n for n in names if n not in left_out):
             t0 = time.perf_counter()
             mine = run_schedule(name, opts, vocab, data, info, groups, ref)
-            every: list = [None] * p
-            dist.all_gather_object(every, mine)
-            s = out[name] = summarise(name, every, p, m, ref_loss.item())
-            s["seconds"] = time.perf_counter() - t0
+            gathered[name] = [None] * p
+            dist.all_gather_object(gathered[name], mine)
+            seconds[name] = time.perf_counter() - t0
+        durations_of = pooled_durations(gathered)
+        for name, every in gathered.items():
+            s = out[name] = summarise(name, every, p, m, ref_loss.item(), durations_of)
+            s["seconds"] = seconds[name]
             s["matches"] = s["grad_rel_err"] <= GRAD_RTOL and s["loss_rel_diff"] <= LOSS_RTOL
             held = ", ".join(str(h) for h in s["in_flight"].values())
             if s["held_micro_batches"]:
