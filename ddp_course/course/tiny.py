@@ -3,8 +3,9 @@
 A seeded two-block MiniGPT over the course's 65-character vocabulary (``tiny_model``), a micro-batch
 that any process can build for any rank (``micro_batch``), the big-batch gradient those micro-batches
 should average to (``reference_gradient``), and a counter of DDP's bucket all-reduces
-(``AllReduceCounter``). Lesson 06 introduced them; lessons 05, 09, 11 and 12 and their exercises use
-them too, so they live here, beside the other helpers several lessons share (``plots``, ``noise``).
+(``AllReduceCounter``). Lesson 06 introduced them; the labs, graders and exercises of lessons 03 to 14
+(08 aside) use them too, so they live here, beside the other helpers several lessons share (``plots``,
+``noise``).
 """
 
 from __future__ import annotations

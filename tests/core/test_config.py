@@ -233,3 +233,26 @@ def test_torchrun_parser_passes_dash_spelled_flags_through():
     course = [f"--{name.replace('_', '-')}=1" for name in FIELDS if "_" in name and name != "fail_at_step"]
     args = get_args_parser().parse_args(["--standalone", "--nproc_per_node=2", "-m", "ddp_course.train", *course])
     assert args.training_script_args == course
+
+
+def test_config_names_no_strategy_but_the_default_and_its_help_example():
+    """A strategy's options live in its file: config.py knows the default (single) and the --strategy=ddp
+    of its help's example, and no other strategy by name, in its code or its strings."""
+    import ast
+    from pathlib import Path
+
+    import ddp_course.config as config
+
+    folder = Path(config.__file__).parent / "parallel"
+    strategies = {p.stem for p in folder.glob("*.py") if not p.stem.startswith("_")}
+    tree = ast.parse(Path(config.__file__).read_text(encoding="utf-8"))
+    words = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            words.update(w.strip("=-`'\".,:;()") for w in node.value.replace("=", " ").split())
+        elif isinstance(node, ast.Name):
+            words.add(node.id)
+        elif isinstance(node, ast.Attribute):
+            words.add(node.attr)
+    assert strategies & words <= {"single", "ddp"}, sorted(strategies & words)
+    assert {"single", "fsdp", "zero1"} <= strategies  # the scan sees the strategies

@@ -229,6 +229,7 @@ def scatters(rank: int, world: int, device: torch.device, mine: Callable[[torch.
     x = mine(RS[rank])
     recv = torch.zeros(K, device=device)
     path, note, native = "", "", None
+    # PyTorch 2.13 renamed reduce_scatter_tensor to reduce_scatter_single (the old name warns; 2.10 has only it)
     flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     try:
         _, executed = backend_ops(lambda: flat(recv, x, op=dist.ReduceOp.SUM))
