@@ -1,9 +1,9 @@
 """Lesson 14's mixture of experts: the expert-parallel layer trains as one process does, drops the same
 token-slots, and sends exactly the rows and bytes the routers' choices predict.
 
-The lab at 4 ranks feeds the tests that take ``lab`` (its parity runs) and at 2 ranks those that take
-``trained`` (its training runs): the notebook's runs when this session has them. The others run the
-one-process layer in this process, on hand-made routings small enough to check by hand.
+The lab on 4 ranks (its parity on all 4 and on ranks 0 and 1; its two training runs on two pairs of ranks
+at once) feeds the tests that take ``lab``: the notebook's run when this session has it. The others run
+the one-process layer in this process, on hand-made routings small enough to check by hand.
 """
 
 from __future__ import annotations
@@ -26,36 +26,30 @@ LAB = "ddp_course.course.l14_sequences_and_experts.moe_lab"
 TRAIN = {"train_steps": 40}  # enough steps for the collapse without the auxiliary loss; the notebook runs 200
 
 
-def _lab(tmp_path_factory, nproc: int, flags: dict, own_flags: dict) -> dict:
-    """The lab on ``nproc`` ranks: lesson 14's run with ``flags`` when this session has it, else a run of
-    its own with ``own_flags``."""
-    job = notebook_runs.reuse(f"runs/14_moe{'_2' if nproc == 2 else ''}", LAB, nproc, **flags)
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory):
+    """The lab on 4 ranks: lesson 14's run when this session has it, else a run of its own (``TRAIN``)."""
+    job = notebook_runs.reuse("runs/14_moe", LAB, 4)
     if job is None:
-        job = run(LAB, nproc=nproc, out_dir=tmp_path_factory.mktemp(f"moe_lab_{nproc}"), timeout=240,
-                  progress=False, echo="none", **own_flags)
+        job = run(LAB, nproc=4, out_dir=tmp_path_factory.mktemp("moe_lab"), timeout=240, progress=False,
+                  echo="none", **TRAIN)
     return json.loads((job.out_dir / "moe_lab.json").read_text(encoding="utf-8"))
 
 
 @pytest.fixture(scope="module")
-def lab(tmp_path_factory):
-    """The parity runs on 4 ranks (the notebook's launch trains nothing more)."""
-    return _lab(tmp_path_factory, 4, {"train_steps": 0}, {"train_steps": 0})
+def trained(lab):
+    """The same lab: its training runs, on 2 ranks each (lesson 14, section 12)."""
+    return lab
 
 
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    """The 2-rank lab, which also trains for the balance (lesson 14, section 12)."""
-    return _lab(tmp_path_factory, 2, {}, TRAIN)
-
-
-# --- the lab at 4 ranks ---------------------------------------------------------------------------------------
+# --- the lab on 4 ranks, its parity also on 2 --------------------------------------------------------------
 
 
 @pytest.mark.timeout(300)
 def test_expert_parallel_trains_as_one_process(lab):
     tol = lab["tolerances"]
-    assert lab["world_size"] == 4 and lab["options"]["capacity_factor"] < 1
-    f32, f64 = lab["parity"]["float32"], lab["parity"]["float64"]
+    assert lab["world_size"] == 4 and lab["options"]["capacity_factor"] < 1 and set(lab["parity"]) == {"2", "4"}
+    f32, f64 = lab["parity"]["4"]["float32"], lab["parity"]["4"]["float64"]
     assert f32["loss_rel_diff"] <= tol["loss_rtol"] and f32["grad_rel_err"] <= tol["grad_rtol"], f32["worst_grad"]
     assert f32["update_rel_diff"] <= tol["update_rtol"]
     # every parameter of the one-process model compared once: the replicated ones on each rank, each expert on its own
@@ -65,13 +59,18 @@ def test_expert_parallel_trains_as_one_process(lab):
     # float64: the same algorithm, ~1e-15 from one process -- what float32 leaves is rounding
     assert max(f64["loss_rel_diff"], f64["grad_rel_err"]) <= tol["fp64_rtol"]
     assert f64["update_rel_diff"] <= 1e-9
+    # on 2 ranks (ranks 0 and 1 of the same launch): the same bounds, each of the 2 ranks holding half the experts
+    two32, two64 = lab["parity"]["2"]["float32"], lab["parity"]["2"]["float64"]
+    assert two32["loss_rel_diff"] <= tol["loss_rtol"] and two32["grad_rel_err"] <= tol["grad_rtol"], two32["worst_grad"]
+    assert two32["update_rel_diff"] <= tol["update_rtol"] and two32["grads_compared"] == 2 * replicated + L * n_experts * 4
+    assert max(two64["loss_rel_diff"], two64["grad_rel_err"]) <= tol["fp64_rtol"] and two64["update_rel_diff"] <= 1e-9
 
 
 @pytest.mark.timeout(300)
 def test_the_same_slots_are_dropped_and_some_are(lab):
-    for name in ("float32", "float64"):
-        v = lab["parity"][name]
-        assert v["dropped"] == v["reference_dropped"], name
+    for size, name in ((s, d) for s in ("2", "4") for d in ("float32", "float64")):
+        v = lab["parity"][size][name]
+        assert v["dropped"] == v["reference_dropped"], (size, name)
         assert all(d > 0 for step in v["dropped"] for d in step), "a capacity factor below 1 must drop slots"
         o = lab["options"]
         want = moe.capacity(o["batch_size"] * o["block_size"], o["top_k"], o["n_experts"], o["capacity_factor"])
@@ -80,7 +79,8 @@ def test_the_same_slots_are_dropped_and_some_are(lab):
 
 @pytest.mark.timeout(300)
 def test_rows_and_bytes_equal_what_the_routers_predict(lab):
-    v = lab["parity"]["float32"]
+    assert lab["parity"]["2"]["float32"]["traffic_matches"] and lab["parity"]["2"]["float32"]["tokens_match"]
+    v = lab["parity"]["4"]["float32"]
     assert v["tokens_match"] and v["traffic_matches"]
     assert v["tokens_per_expert"] == v["reference_tokens_per_expert"]
     o = lab["options"]
@@ -103,9 +103,10 @@ def test_training_records_the_balance_and_the_aux_loss_evens_it(trained):
     for r in (none, aux):
         assert len(r["imbalance"]) == len(r["dropped_fraction"]) == steps
         assert all(1 <= x <= r["n_experts"] / r["top_k"] for x in r["imbalance"])
+    assert none["on_ranks"] == [0, 1] and aux["on_ranks"] == [2, 3]  # two pairs of ranks at once
     # without the auxiliary loss the routers collapse: some rank's experts get no row at all in a block,
     # and the job still finishes (the empty rank takes part in every backward exchange)
-    ranks = lab["world_size"]
+    ranks = none["ranks"]
     per_rank = lab["options"]["n_experts"] // ranks
     assert any(sum(layer[r * per_rank:(r + 1) * per_rank]) == 0 for step in none["tokens_per_expert"]
                for layer in step for r in range(ranks))
@@ -218,6 +219,7 @@ def test_moe_gpt_is_seeded_and_keeps_its_experts_names():
     ({"top_k": 3}, 2, "1 or 2 experts"),
     ({"batch_size": 6}, 4, "divisible by the 4 ranks"),
     ({"capacity_factor": 0.0}, 2, "must be positive"),
+    ({"n_experts": 3, "batch_size": 3}, 3, "must be even"),  # the lab also runs on ranks 0 and 1 alone
 ])
 def test_bad_options_are_refused(flags, world, words):
     with pytest.raises(FlagError, match=words):

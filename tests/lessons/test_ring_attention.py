@@ -93,8 +93,10 @@ def test_no_rank_holds_the_score_matrix(lab):
 @pytest.mark.timeout(420)
 def test_minigpt_on_the_ring_trains_like_one_process(lab):
     f64, f32 = lab["training"]["float64"], lab["training"]["float32"]
-    assert len(f64["loss_rel_diff"]) == lab["options"]["steps"] >= 200
-    assert max(f64["loss_rel_diff"]) <= 1e-11  # rounding of float64 only (1.5e-13 measured, a ring of 2)
+    # 100 steps: float32's drift has reached its level by then (3.1e-4 at step 100, 3.9e-4 over 200 steps, measured)
+    assert len(f64["loss_rel_diff"]) == lab["options"]["steps"] >= 100
+    assert f64["ring_on"] != f32["ring_on"]  # the two precisions trained at once, on two rings of 2
+    assert max(f64["loss_rel_diff"]) <= 1e-11  # rounding of float64 only (1.3e-13 measured, a ring of 2)
     assert f32["loss_rel_diff"][0] <= lab["parity_rtol"]  # the same weights: the first loss is one forward's rounding
     # every parameter's first gradient: the ranks' shares sum to one process's (a mean taken twice would not)
     assert len(f64["first_grad_rel_err"]) == len(f32["first_grad_rel_err"]) > 20

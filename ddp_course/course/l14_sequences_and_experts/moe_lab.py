@@ -5,17 +5,21 @@
 MiniGPT's MLPs become mixtures of ``--n_experts`` experts (``experts.MoE``); in the expert-parallel copy
 (``experts.ExpertParallelMoE``) rank r keeps experts ``r E/p .. (r+1) E/p - 1``, every rank routes its own
 quarter (at 4 ranks) of the global batch and sends each token-slot to its expert's rank with
-``all_to_all_single``. The lab records, rank 0 writing ``<out_dir>/moe_lab.json`` (``--out_dir=runs/14_moe``):
+``all_to_all_single``. One launch gives both sizes: on more than 2 ranks the parity runs once on all of
+them and once on ranks 0 and 1 alone (a group of 2), and the two training runs go to two pairs of ranks
+at once. The lab records, rank 0 writing ``<out_dir>/moe_lab.json`` (``--out_dir=runs/14_moe``):
 
-- **parity** with one process (every rank also trains the one-process model on the whole global batch,
-  from the same weights): each step's loss, every gradient of the first step (each rank compares the
-  parameters it holds), the weights at the end, and the slots dropped, at ``--capacity_factor`` below 1 so
-  that slots really drop; in float32, and once more in float64 (``--fp64``);
+- **parity** with one process (every rank of the group also trains the one-process model on the whole
+  global batch, from the same weights): each step's loss, every gradient of the first step (each rank
+  compares the parameters it holds), the weights at the end, and the slots dropped, at
+  ``--capacity_factor`` below 1 so that slots really drop; in float32, and once more in float64
+  (``--fp64``); on 2 ranks and on all of them (``parity["2"]``, ``parity["4"]``);
 - **traffic**: the rows each expert received and the bytes each rank handed to ``all_to_all_single``,
   measured, against what the routers' choices alone predict (:func:`predicted_traffic`);
 - **balance over training**: ``--train_steps`` AdamW steps on the corpus without the auxiliary loss and
-  with ``--aux_coef``, the load of the busiest expert over the mean and the fraction of slots dropped at
-  each step (``figures.moe_balance`` draws them).
+  with ``--aux_coef``, each on 2 ranks (ranks 0 and 1, and ranks 2 and 3 at the same time when there are
+  4; one after the other on 2), the load of the busiest expert over the mean and the fraction of slots
+  dropped at each step (``figures.moe_balance`` draws them).
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from ddp_course.cli import FlagError, command, parse_flags
 from ddp_course.course.l11_beyond_data_parallel.tp_lab import same_batches  # global batches of the corpus
 from ddp_course.course.l14_sequences_and_experts import experts as moe
 from ddp_course.course.options import lab_help, write_result
-from ddp_course.dist import DistInfo, log, setup
+from ddp_course.dist import log, setup
 
 PROG = "torchrun --standalone --nproc_per_node=4 -m ddp_course.course.l14_sequences_and_experts.moe_lab"
 DEFAULTS: dict[str, Any] = {
@@ -78,6 +82,9 @@ def check_options(opts: dict[str, Any], world_size: int) -> None:
                         f"choose a multiple of {world_size}.")
     if opts["batch_size"] % world_size:
         raise FlagError(f"--batch_size={opts['batch_size']} must be divisible by the {world_size} ranks.")
+    if world_size > 2 and (opts["n_experts"] % 2 or opts["batch_size"] % 2):
+        raise FlagError(f"--n_experts={opts['n_experts']} and --batch_size={opts['batch_size']} must be even: "
+                        "the lab also runs on groups of 2 ranks.")
     for key in ("capacity_factor", "train_capacity_factor"):
         if opts[key] <= 0:
             raise FlagError(f"--{key}={opts[key]} must be positive.")
@@ -96,33 +103,46 @@ def build(opts: dict[str, Any], capacity_factor: float, vocab: int, dtype: torch
     return moe.moe_gpt(capacity_factor=capacity_factor, vocab_size=vocab, **shape).to(dtype)
 
 
-def my_rows(batch: tuple[torch.Tensor, torch.Tensor], info: DistInfo) -> tuple[torch.Tensor, torch.Tensor]:
-    """This rank's share of a global batch: consecutive rows, rank 0 first (the global token order)."""
-    n = batch[0].shape[0] // info.world_size
-    return tuple(t[info.rank * n:(info.rank + 1) * n] for t in batch)
+def my_rows(batch: tuple[torch.Tensor, torch.Tensor], group: dist.ProcessGroup | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's share of a global batch in ``group``: consecutive rows, the group's rank 0 first (the
+    global token order)."""
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    n = batch[0].shape[0] // size
+    return tuple(t[rank * n:(rank + 1) * n] for t in batch)
 
 
-def parity(opts: dict[str, Any], data: list, vocab: int, info: DistInfo, dtype: torch.dtype) -> dict[str, Any]:
-    """This rank's view of ``--steps`` AdamW steps of one process and of the expert-parallel model side by side."""
+def pairs(world_size: int) -> list[tuple[dist.ProcessGroup | None, list[int]]]:
+    """Groups of 2 ranks, (0, 1), (2, 3), ... with their ranks; on 2 ranks the world itself. Every rank
+    must call it (``new_group`` is collective)."""
+    if world_size == 2:
+        return [(None, [0, 1])]
+    return [(dist.new_group([r, r + 1]), [r, r + 1]) for r in range(0, world_size - 1, 2)]
+
+
+def parity(opts: dict[str, Any], data: list, vocab: int, group: dist.ProcessGroup | None, dtype: torch.dtype
+           ) -> dict[str, Any]:
+    """This rank's view of ``--steps`` AdamW steps of one process and of the expert-parallel model on
+    ``group`` side by side."""
     ref = build(opts, opts["capacity_factor"], vocab, dtype)
-    ep = moe.expert_parallel(ref)  # before the reference moves: the same initial weights
+    ep = moe.expert_parallel(ref, group)  # before the reference moves: the same initial weights
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=opts["lr"], foreach=False)
     opt_ep = torch.optim.AdamW(ep.parameters(), lr=opts["lr"], foreach=False)
     ref_params = dict(ref.named_parameters())
-    out: dict[str, Any] = {"rank": info.rank, "experts": [int(e) for e in ep.blocks[0].mlp.experts], "steps": []}
+    out: dict[str, Any] = {"rank": dist.get_rank(group), "experts": [int(e) for e in ep.blocks[0].mlp.experts],
+                           "steps": []}
     for step, batch in enumerate(data[:opts["steps"]]):
         loss_ref, _ = moe.moe_loss(ref, *batch, opts["aux_coef"])
         loss_ref.backward()
         for layer in moe.moe_layers(ep):
             layer.ledger.clear()
-        loss_ep, _ = moe.moe_loss(ep, *my_rows(batch, info), opts["aux_coef"])
+        loss_ep, _ = moe.moe_loss(ep, *my_rows(batch, group), opts["aux_coef"])
         loss_ep.backward()
-        moe.sync_gradients(ep)
+        moe.sync_gradients(ep, group)
         glob = loss_ep.detach().double().clone()
-        dist.all_reduce(glob)  # the global loss: the mean of the ranks' losses (equal batches)
+        dist.all_reduce(glob, group=group)  # the global loss: the mean of the ranks' losses (equal batches)
         layers, ref_layers = moe.moe_layers(ep), moe.moe_layers(ref)
         out["steps"].append({
-            "loss": float(glob) / info.world_size, "reference_loss": float(loss_ref.detach()),
+            "loss": float(glob) / dist.get_world_size(group), "reference_loss": float(loss_ref.detach()),
             "dropped_here": [m.dropped_here for m in layers], "reference_dropped": [m.dropped for m in ref_layers],
             "capacity": [m.capacity for m in layers], "reference_capacity": [m.capacity for m in ref_layers],
             "local_tokens_per_expert": [m.local_tokens_per_expert.tolist() for m in layers],
@@ -210,24 +230,27 @@ def traffic_table(per_rank: list[dict[str, Any]], row_bytes: int) -> list[dict[s
     return rows
 
 
-def train_balance(opts: dict[str, Any], data: list, vocab: int, info: DistInfo, aux_coef: float) -> dict[str, Any]:
-    """``--train_steps`` AdamW steps of the expert-parallel model; per step the global cross-entropy and
-    auxiliary loss, the busiest expert's load over the mean (per block, then averaged) and the dropped fraction."""
-    model = moe.expert_parallel(build(opts, opts["train_capacity_factor"], vocab, torch.float32))
+def train_balance(opts: dict[str, Any], data: list, vocab: int, group: dist.ProcessGroup | None, aux_coef: float
+                  ) -> dict[str, Any]:
+    """``--train_steps`` AdamW steps of the expert-parallel model on ``group``; per step the global
+    cross-entropy and auxiliary loss, the busiest expert's load over the mean (per block, then averaged)
+    and the dropped fraction."""
+    size = dist.get_world_size(group)
+    model = moe.expert_parallel(build(opts, opts["train_capacity_factor"], vocab, torch.float32), group)
     opt = torch.optim.AdamW(model.parameters(), lr=opts["lr"])
     series: dict[str, list] = {"ce": [], "aux": [], "imbalance": [], "dropped_fraction": [], "tokens_per_expert": []}
     for batch in data[:opts["train_steps"]]:
-        loss, ce = moe.moe_loss(model, *my_rows(batch, info), aux_coef)
+        loss, ce = moe.moe_loss(model, *my_rows(batch, group), aux_coef)
         loss.backward()
-        moe.sync_gradients(model)
+        moe.sync_gradients(model, group)
         opt.step()
         opt.zero_grad(set_to_none=True)
         layers = moe.moe_layers(model)
         both = torch.stack([ce.detach(), sum(m.aux_loss.detach() for m in layers)]).double()
-        dist.all_reduce(both)  # the means over ranks are the global values (equal batches; aux: see MoE)
+        dist.all_reduce(both, group=group)  # the means over ranks are the global values (equal batches; aux: see MoE)
         counts = [m.tokens_per_expert for m in layers]
-        series["ce"].append(float(both[0]) / info.world_size)
-        series["aux"].append(float(both[1]) / info.world_size / len(layers))
+        series["ce"].append(float(both[0]) / size)
+        series["aux"].append(float(both[1]) / size / len(layers))
         series["imbalance"].append(sum(float(c.max() / c.float().mean()) for c in counts) / len(counts))
         series["dropped_fraction"].append(sum(m.dropped for m in layers) / sum(int(c.sum()) for c in counts))
         series["tokens_per_expert"].append([c.tolist() for c in counts])
@@ -236,11 +259,11 @@ def train_balance(opts: dict[str, Any], data: list, vocab: int, info: DistInfo, 
     series["first"] = {k: sum(series[k][:tail]) / tail for k in ("ce", "aux", "imbalance", "dropped_fraction")}
     series["window"] = tail
     return {"aux_coef": aux_coef, "capacity_factor": opts["train_capacity_factor"], "n_experts": opts["n_experts"],
-            "top_k": opts["top_k"], **series}
+            "top_k": opts["top_k"], "ranks": size, **series}
 
 
 def report_parity(name: str, v: dict[str, Any]) -> None:
-    log(f"[moe_lab] parity {name}: losses {' '.join(f'{x:.6f}' for x in v['losses'])} (one process "
+    log(f"[moe_lab] parity, {name}: losses {' '.join(f'{x:.6f}' for x in v['losses'])} (one process "
         f"{' '.join(f'{x:.6f}' for x in v['reference_losses'])}); relative differences: loss "
         f"{v['loss_rel_diff']:.1e}, gradients {v['grad_rel_err']:.1e} (worst {v['worst_grad']}, "
         f"{v['grads_compared']} compared), weights {v['update_rel_diff']:.1e}")
@@ -263,37 +286,51 @@ def main(argv: list[str]) -> int:
             f"({opts['n_experts'] // info.world_size} per rank), top-{opts['top_k']}; global batch "
             f"{opts['batch_size']} x {opts['block_size']} tokens; MiniGPT with experts "
             f"{build(opts, 1.0, vocab, torch.float32).num_params():,} parameters")
+        n, groups = info.world_size, pairs(info.world_size)
+        dtypes = (("float32", torch.float32), ("float64", torch.float64))[:2 if opts["fp64"] else 1]
+        coefs = (0.0, opts["aux_coef"])[:2 if opts["train_steps"] else 0]
+        # Each rank's share of the work, gathered once at the end: the parity on all the ranks, then on
+        # ranks 0 and 1 alone while ranks 2 and 3 start training; the two training runs on 2 ranks each,
+        # at once on two pairs when there are 4 ranks or more (one after the other on 2).
+        mine: dict[str, Any] = {"parity": {}, "training": {}}
+        for size, (group, members) in {n: (None, list(range(n))), 2: groups[0]}.items():
+            if info.rank in members:
+                mine["parity"][str(size)] = {name: parity(opts, data, vocab, group, dtype) for name, dtype in dtypes}
+        for i, coef in enumerate(coefs):
+            group, members = groups[i % len(groups)]
+            if info.rank in members:
+                run = train_balance(opts, data, vocab, group, coef)
+                if info.rank == members[0]:
+                    mine["training"][f"aux_coef={coef:g}"] = {**run, "on_ranks": members}
+        every: list = [None] * n
+        dist.all_gather_object(every, mine)
         results: dict[str, Any] = {}
-        for name, dtype in (("float32", torch.float32), ("float64", torch.float64))[:2 if opts["fp64"] else 1]:
-            mine = parity(opts, data, vocab, info, dtype)
-            per_rank: list = [None] * info.world_size
-            dist.all_gather_object(per_rank, mine)
-            row_bytes = opts["n_embd"] * torch.tensor([], dtype=dtype).element_size()
-            results[name] = summarise_parity(per_rank, row_bytes)
-            results[name]["traffic"] = traffic_table(per_rank, row_bytes)
-            report_parity(name, results[name])
-        for row in results["float32"]["traffic"]:
+        for size in sorted({2, n}):
+            results[str(size)] = {}
+            for name, dtype in dtypes:
+                per_rank = [r["parity"][str(size)][name] for r in every if str(size) in r["parity"]]
+                row_bytes = opts["n_embd"] * torch.tensor([], dtype=dtype).element_size()
+                v = results[str(size)][name] = summarise_parity(per_rank, row_bytes)
+                v["traffic"] = traffic_table(per_rank, row_bytes)
+                report_parity(f"{size} ranks, {name}", v)
+        for row in results[str(n)]["float32"]["traffic"]:
             m, p = row["measured"], row["predicted"]
             log(f"[moe_lab]   rank {row['rank']} (experts {row['experts']}), step 1 forward: dispatch "
                 f"{m['dispatch']:,} B ({m['dispatch.others']:,} to other ranks), combine {m['combine']:,} B "
                 f"({m['combine.others']:,}); predicted {p['dispatch']:,} ({p['dispatch.others']:,}) and "
                 f"{p['combine']:,} ({p['combine.others']:,})")
-        t_parity = time.perf_counter() - t0
-        training = {}
-        for coef in (0.0, opts["aux_coef"])[:2 if opts["train_steps"] else 0]:
-            run = train_balance(opts, data, vocab, info, coef)
-            training[f"aux_coef={coef:g}"] = run
+        training = {label: r["training"][label] for label in (f"aux_coef={c:g}" for c in coefs)
+                    for r in every if label in r["training"]}
+        for label, run in training.items():
             f, la = run["first"], run["last"]
-            log(f"[moe_lab] train aux_coef={coef:g}: cross-entropy {f['ce']:.3f} -> {la['ce']:.3f}; busiest "
+            log(f"[moe_lab] train {label} on ranks {run['on_ranks']}: cross-entropy {f['ce']:.3f} -> {la['ce']:.3f}; busiest "
                 f"expert / mean {f['imbalance']:.2f} -> {la['imbalance']:.2f}; dropped {f['dropped_fraction']:.1%}"
                 f" -> {la['dropped_fraction']:.1%} (means of the first and last {run['window']} steps)")
         out = {"world_size": info.world_size, "options": opts, "vocab_size": vocab, "parity": results,
                "training": training, "seconds": time.perf_counter() - t0,
-               "parity_seconds": t_parity, "training_seconds": time.perf_counter() - t0 - t_parity,
                "tolerances": {"loss_rtol": LOSS_RTOL, "grad_rtol": GRAD_RTOL, "update_rtol": UPDATE_RTOL,
                               "fp64_rtol": FP64_RTOL}}
-        write_result(info, opts["out_dir"], "moe_lab", out, f" in {out['seconds']:.1f} s (parity {t_parity:.1f} s, "
-                     f"training {out['training_seconds']:.1f} s)")
+        write_result(info, opts["out_dir"], "moe_lab", out, f" in {out['seconds']:.1f} s")
     return 0
 
 

@@ -14,8 +14,11 @@ lab measures, for both layouts (``plain``, ``zigzag``):
 - **memory**: the peak bytes of the tensors a rank's forward and backward create (:class:`PeakBytes`),
   against one process attending over the whole sequence, with the score matrix written out and with
   PyTorch's fused kernel;
-- **training**: MiniGPT with every block's attention on a ring of 2 (``context_parallel``; ranks 0 and 1), ``--steps``
-  AdamW steps on the corpus, each step's loss against one process trained on the same batches.
+- **training**: MiniGPT with every block's attention on a ring of 2 (``context_parallel``), ``--steps``
+  AdamW steps on the corpus, each step's loss against one process trained on the same batches; in
+  float32 on ranks 0 and 1 and, at the same time on 4 ranks, in float64 on ranks 2 and 3 (one after the
+  other on 2 ranks), then the two one-process references on other ranks while rank 0 measures one
+  process's memory.
 
 Rank 0 writes ``ring_lab.json``.
 """
@@ -45,7 +48,7 @@ from ddp_course.model import GPTConfig, MiniGPT
 PROG = "torchrun --standalone --nproc_per_node=4 -m ddp_course.course.l14_sequences_and_experts.ring_lab"
 DEFAULTS: dict[str, Any] = {
     "out_dir": "runs/14_ring", "parity_seq": 64, "seq": 4096, "heads": 4, "head_dim": 32, "repeats": 3,
-    "steps": 200, "n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 64, "batch_size": 8, "lr": 3e-3,
+    "steps": 100, "n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 64, "batch_size": 8, "lr": 3e-3,
     "seed": 0, "corpus": "tinyshakespeare", "timeout_s": 60.0,
 }
 HELP = lab_help("ring_lab", DEFAULTS, parity_seq="tokens of the parity check's sequence",
@@ -267,27 +270,39 @@ def main(argv: list[str]) -> int:
             log(f"[ring_lab] {kind:<6} blocks per rank {[r['blocks'] for r in per_rank]}, CPU ms per rank "
                 f"{[round(1e3 * r['compute_s'], 1) for r in per_rank]}, sent per rank "
                 f"{[sum(r['bytes_sent'].values()) for r in per_rank]} bytes")
-        results["one_process_memory"] = one_process_memory(opts) if info.is_main else None
-        results["peak_check"] = check_peak_bytes() if info.is_main else None
         batches, vocab = same_batches(opts, info.device)
+        # MiniGPT trains on rings of 2: in float32 on ranks 0 and 1 and, on 4 ranks, in float64 on ranks 2
+        # and 3 at the same time (on 2 ranks, after the float32 run). Then the one-process references, on
+        # the last rank (float32) and on rank 1 (float64), while rank 0 measures one process's memory.
+        dtypes = {"float32": torch.float32, "float64": torch.float64}
+        ring_of = {"float32": 0, "float64": 1 % len(pairs)}  # which pair trains each precision
+        reference_rank = {"float32": n - 1, "float64": 1}
+        share: dict[str, Any] = {"ring": {}, "reference": {}}  # what this rank trained
+        for name, dtype in dtypes.items():
+            members = [2 * ring_of[name], 2 * ring_of[name] + 1]
+            if info.rank in members:
+                run = train_on_ring(R.Ring("zigzag", pairs[ring_of[name]]), opts, batches, vocab, dtype)
+                if info.rank == members[0]:
+                    share["ring"][name] = (run, members)
+        for name, dtype in dtypes.items():
+            if info.rank == reference_rank[name]:
+                share["reference"][name] = train_one_process(opts, batches, vocab, dtype)
+        if info.is_main:
+            results["one_process_memory"] = one_process_memory(opts)
+            results["peak_check"] = check_peak_bytes()
+        every = gather(share, n)
         results["training"] = {}
-        # MiniGPT trains on the ring of ranks 0 and 1; on 4 ranks, rank 2 trains the one-process reference
-        # beside them and rank 3 waits (four busy processes would share two cores of a laptop).
-        reference_rank = 2 if n > 2 else 0
-        for dtype in (torch.float32, torch.float64):
-            name = str(dtype)[6:]
-            ring_l, ring_g = (train_on_ring(R.Ring("zigzag", rings[2]), opts, batches, vocab, dtype)
-                              if info.rank < 2 else (None, None))
-            ref = train_one_process(opts, batches, vocab, dtype) if info.rank == reference_rank else None
-            ref_l, ref_g = gather(ref, n)[reference_rank]
-            if info.is_main:
-                diff = [abs(a - b) / abs(b) for a, b in zip(ring_l, ref_l)]
-                grads = {n: R.relative_error(ring_g[n], ref_g[n]) for n in ref_g}  # the tied head's gradient is the table's
-                results["training"][name] = {"ring_ranks": 2, "ring_losses": ring_l, "reference_losses": ref_l,
-                                             "loss_rel_diff": diff, "first_grad_rel_err": grads}
-                log(f"[ring_lab] MiniGPT on a ring of 2, {name}, {len(ring_l)} steps: loss {ring_l[0]:.4f} -> "
-                    f"{ring_l[-1]:.4f}; largest relative difference from one process {max(diff):.1e}; first "
-                    f"step's gradients {max(grads.values()):.1e} (worst of {len(grads)} parameters)")
+        for name in dtypes:
+            (ring_l, ring_g), members = next(r["ring"][name] for r in every if name in r["ring"])
+            ref_l, ref_g = every[reference_rank[name]]["reference"][name]
+            diff = [abs(a - b) / abs(b) for a, b in zip(ring_l, ref_l)]
+            grads = {n: R.relative_error(ring_g[n], ref_g[n]) for n in ref_g}  # the tied head's gradient is the table's
+            results["training"][name] = {"ring_ranks": 2, "ring_on": members, "reference_rank": reference_rank[name],
+                                         "ring_losses": ring_l, "reference_losses": ref_l,
+                                         "loss_rel_diff": diff, "first_grad_rel_err": grads}
+            log(f"[ring_lab] MiniGPT on a ring of 2 (ranks {members}), {name}, {len(ring_l)} steps: loss "
+                f"{ring_l[0]:.4f} -> {ring_l[-1]:.4f}; largest relative difference from one process {max(diff):.1e}; "
+                f"first step's gradients {max(grads.values()):.1e} (worst of {len(grads)} parameters)")
         results["seconds"] = time.perf_counter() - t0
         write_result(info, opts["out_dir"], "ring_lab", results, f" ({results['seconds']:.0f} s)")
     return 0
