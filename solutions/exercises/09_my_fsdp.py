@@ -52,7 +52,7 @@ from ddp_course.dist import log, setup
 warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
 
 SHAPE = {"block_size": 32, "n_layer": 2, "n_head": 2, "n_embd": 32}
-MICRO_BATCH_SIZE, STEPS, LR, SEED = 4, 4, 1e-2, 0
+MICRO_BATCH_SIZE, STEPS, LR, SEED = 4, 6, 1e-2, 0
 PREFETCH = 1  # further units whose all-gather starts before a unit computes (0: none)
 # bf16 keeps 8 significant bits: every weight and activation is rounded by up to 2^-9 of itself. The
 # mean loss over the ranks' 2 x 4 x 32 tokens, each term computed from such numbers, is allowed one bf16
@@ -462,14 +462,15 @@ def train(kind: str, opt_name: str, dtype, prefetch: int, rank: int, world_size:
     fsdp = MyFSDP(model, units=units, compute_dtype=dtype, prefetch=prefetch)
     opt = optimizer(opt_name, fsdp.parameters())
     ref, ref_losses, ref_grads = reference(kind, opt_name, world_size)
-    losses, problems, grad_ratio, comm, waits = [], [], {}, {}, []
+    losses, problems, grad_ratio, comm, waits, times = [], [], {}, {}, [], []
     for step in range(STEPS):
-        waited = fsdp.watch.waited_s
-        counter = CollectiveCounter() if step == STEPS - 1 else None
+        waited, start = fsdp.watch.waited_s, time.perf_counter()
+        counter = CollectiveCounter() if step == 0 else None  # the collectives of one step (the first)
         if counter is not None:
             counter.__enter__()
         _, loss = fsdp(*batch(kind, step, rank))
         loss.backward()
+        times.append(time.perf_counter() - start)  # forward and backward, this step
         if counter is not None:
             counter.__exit__(None, None, None)
             comm = {"ops": [dict(o) for o in counter.ops]}
@@ -504,7 +505,7 @@ def train(kind: str, opt_name: str, dtype, prefetch: int, rank: int, world_size:
             "shard_names": fsdp.shard_names, "shard_bytes": sum(p.numel() * 4 for p in fsdp.shards),
             "replicated_bytes": sum(p.numel() * 4 for p in fsdp.replicated),
             "peak_param_bytes": fsdp.watch.peak, "computes": fsdp.watch.computes[-2 * len(fsdp.units):],
-            "wait_s": waits, "synchronous_gathers": fsdp.watch.synchronous, "comm": comm,
+            "wait_s": waits, "step_s": times, "synchronous_gathers": fsdp.watch.synchronous, "comm": comm,
             "units": {n: [t.numel() for t in u.full] for n, u in fsdp.units.items()}}
 
 
