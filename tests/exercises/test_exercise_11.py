@@ -199,6 +199,6 @@ def test_shards_cut_with_the_labs_hidden_block_are_refused_without_a_job(tmp_pat
     body = (f"    from {module} import hidden_block\n"
             "    block = hidden_block(fc.out_features, rank, world_size)\n"
             "    return fc.weight[block], fc.bias[block]\n")
-    verdict = check.grade("11", exercise_attempt(tmp_path, NAME, "column_shard", body))
+    verdict = check.grade("11_tensor_parallel", exercise_attempt(tmp_path, NAME, "column_shard", body))
     assert not verdict.ok and "ddp_course.parallel._tensor_parallel.hidden_block" in verdict.message, verdict.message
     assert "hidden_block" not in (ROOT / "lessons" / "exercises" / NAME).read_text(encoding="utf-8")
