@@ -54,36 +54,37 @@ warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is depreca
 SHAPE = {"block_size": 32, "n_layer": 2, "n_head": 2, "n_embd": 32}
 MICRO_BATCH_SIZE, STEPS, LR, SEED = 4, 6, 1e-2, 0
 PREFETCH = 1  # further units whose all-gather starts before a unit computes (0: none)
-# bf16 keeps 8 significant bits: every weight and activation is rounded by up to 2^-9 of itself. The
-# mean loss over the ranks' 2 x 4 x 32 tokens, each term computed from such numbers, is allowed one bf16
-# unit roundoff (2^-8) of the fp32 reference's. The fp32 runs have no tolerance at all: bit for bit.
+# bf16 keeps 8 significant bits: every weight and activation is rounded by up to 2^-8 of itself (bf16's unit
+# roundoff: half a unit in the last place). The mean loss over the ranks' 2 x 4 x 32 tokens, each term
+# computed from such numbers, is allowed that same 2^-8 of the fp32 reference's. The fp32 runs have no
+# tolerance at all: bit for bit.
 BF16_LOSS_RTOL = 0.00390625  # 2^-8
 
 
 def shard_of(full: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
     """This rank's elements of ``full`` as a new 1-D tensor: ``[rank * c, (rank + 1) * c)`` of its flattened
     elements, ``c = ceil(full.numel() / world_size)``, cut at ``full.numel()`` (so possibly shorter, or empty)."""
-    # TODO: flatten, take this rank's c = ceil(numel / world_size) elements (fewer at the end), as a copy
+    # TODO: this rank's elements as the docstring defines them: 1-D, no padding, a storage of its own
     raise NotImplementedError("exercise: complete this part")
 
 
 def start_gather(shard: torch.Tensor, out: torch.Tensor, world_size: int) -> dist.Work:
     """Start the all-gather of every rank's ``shard`` into ``out`` (``world_size * c`` elements, in the dtype
     the weights travel in) and return its handle at once: rank r's elements land at ``out[r * c:]``."""
-    # TODO: every rank sends c elements in out's dtype, its shard padded to c; start it asynchronously
+    # TODO: returns a running all-gather's handle; once it is waited for, out holds the shards in rank order
     raise NotImplementedError("exercise: complete this part")
 
 
 def reduce_gradient(full_grad: torch.Tensor, world_size: int, shard_numel: int) -> torch.Tensor:
     """The gradient of this rank's shard: ``full_grad`` (a whole weight's, in the compute dtype) summed over
     the ranks, averaged, cut to this rank's ``shard_numel`` elements; fp32, 1-D."""
-    # TODO: pad the flattened gradient to world_size * c, reduce-scatter it, average, keep the real elements, fp32
+    # TODO: the ranks' average of this rank's shard_numel elements of the gradient: 1-D, fp32
     raise NotImplementedError("exercise: complete this part")
 
 
 def average_replicated(grad: torch.Tensor, world_size: int) -> None:
     """A replicated parameter's gradient, in place: the average over the ranks."""
-    # TODO: the sum over the ranks, in place, then divided by their number
+    # TODO: when this returns, grad holds the average of every rank's grad
     raise NotImplementedError("exercise: complete this part")
 
 
@@ -94,20 +95,20 @@ def before_forward(units: list, i: int, prefetch: int) -> None:
     A unit has ``state`` ("sharded", "gathering" or "gathered"), ``start()`` (start its all-gathers),
     ``wait()`` (wait for them) and ``free()`` (release the gathered weights).
     """
-    # TODO: start this unit and the next prefetch ones that are still sharded, then wait for this one only
+    # TODO: units[i] usable on return; up to `prefetch` later units' all-gathers started, not waited for
     raise NotImplementedError("exercise: complete this part")
 
 
 def after_forward(unit) -> None:
     """After ``unit``'s forward: what it gathered is no longer needed until its backward."""
-    # TODO: release the unit's gathered weights
+    # TODO: when this returns, the unit holds only its shards
     raise NotImplementedError("exercise: complete this part")
 
 
 def before_backward(units: list, i: int, prefetch: int) -> None:
     """Before ``units[i]`` computes its backward (``units``: in the order their backwards run): as
     ``before_forward``, for the backward's order."""
-    # TODO: the weights autograd is about to use must be whole again, and the next units' on their way
+    # TODO: units[i] whole for autograd on return; up to `prefetch` later units' gathers started, not waited for
     raise NotImplementedError("exercise: complete this part")
 
 

@@ -48,7 +48,7 @@ def test_solution_passes_bit_for_bit_and_at_the_predicted_peak(solution):
 
 
 MISTAKES = {
-    # after forward nothing is freed: the numbers are right, the memory is DDP's
+    # after forward nothing is freed: the numbers are right, the memory is every unit gathered at once
     "full weights kept after forward": ("after_forward", "    pass\n",
                                         ("full weights are kept after forward", "169,664", "120,512", "after_forward")),
     # freed after forward, never gathered again: autograd would read freed storage
@@ -73,6 +73,13 @@ MISTAKES = {
                                             "    dist.reduce_scatter_tensor(mine, padded)\n"
                                             "    return mine[:shard_numel] / world_size\n",
                                             ("gradients left in the compute dtype", "bfloat16", "fp32")),
+    # every unit started at once, prefetch or not: the numbers are right, the peak is every unit gathered
+    "every unit started at once": ("before_forward",
+                                   "    for unit in units[i:]:\n"
+                                   "        if unit.state == 'sharded':\n"
+                                   "            unit.start()\n"
+                                   "    units[i].wait()\n",
+                                   ("every unit is gathered at once", "169,664", "before_forward", "units[i]")),
     # every all-gather waited for as soon as it is started: no overlap in forward
     "prefetch that waits at once": ("before_forward",
                                     "    for unit in units[i:i + 1 + prefetch]:\n"

@@ -3,7 +3,8 @@
 - :func:`step_bytes`: the bytes one rank sends in a step, from the collectives the exercise's harness
   counted (lesson 05's ``CollectiveCounter``): *logical* (what each collective must move with a ring:
   an all-gather (N-1) x its input, a reduce-scatter (N-1)/N x its input, an all-reduce 2(N-1)/N) and
-  *on gloo's wire* (gloo's reduce-scatter is an all-reduce of the whole input: :func:`gloo_reduce_scatter_events`);
+  ``wire``, computed by counting each reduce-scatter as a ring all-reduce of its whole input (PyTorch's gloo
+  backend runs it so: :func:`gloo_reduce_scatter_events`);
 - :func:`gloo_reduce_scatter_events`: the gloo work the profiler records for one reduce-scatter, in a
   process group of one rank made in this process;
 - :func:`bf16_weight_rounding`: how far rounding MiniGPT's weights to bf16, alone, moves its loss.
@@ -29,7 +30,8 @@ def ring_bytes(op: str, payload: int, world_size: int) -> float:
 
 def step_bytes(ops: list[dict], world_size: int) -> dict[str, float]:
     """Per collective kind, the bytes one rank sends in the step ``ops`` recorded: ``logical`` and ``wire``
-    (gloo: a reduce-scatter runs as an all-reduce of its whole input), and how many of each ran."""
+    (each reduce-scatter counted as a ring all-reduce of its whole input, as PyTorch's gloo backend runs
+    it), and how many of each ran."""
     out: dict[str, float] = {}
     for o in ops:
         kind = o["op"]

@@ -15,7 +15,8 @@ own:
   reference's (an average over the ranks), not N times it (a sum);
 - the memory: the peak of the run without prefetch equals the shards, the replicated parameters and
   the root's and one block's gathered weights (``predicted_peak``, from the lesson's calculator's
-  table of MiniGPT's tensors), not every unit's at once;
+  table of MiniGPT's tensors), not every unit's at once; with prefetch, the root's and 1 + prefetch
+  blocks';
 - the prefetch: with ``prefetch=1`` some units compute while the next unit's all-gather is in flight;
   without it, none;
 - the numbers: the fp32 runs equal to the one-process reference bit for bit, the bf16 run within the
@@ -55,7 +56,8 @@ def predicted_peak(shape: dict[str, int], rank: int, prefetch: int, compute_byte
     """The parameter bytes a rank holds at most, from the lesson's calculator's table of MiniGPT's tensors:
     its shards (fp32, real elements only), the replicated tensors (fp32), and gathered at once the root's
     weights and 1 + ``prefetch`` blocks' (``world_size * ceil(numel / world_size)`` elements each, padding
-    included, in the compute dtype). ``every`` is the peak with every unit gathered at once (DDP's)."""
+    included, in the compute dtype). ``every`` is the shards plus every unit gathered at once (not DDP's: DDP
+    holds the fp32 parameters once, with no shards beside them)."""
     from ddp_course.course.l09_fsdp import memory
 
     table = memory.parameter_table(shape)
@@ -222,15 +224,33 @@ def _memory_problem(rows: list[dict], shape: dict) -> str | None:
             continue
         found = nearest([got], {"resharded": [want["peak"]], "kept": [want["every"]]})
         if found.name == "kept" and found.clear():
-            return (f"the full weights are kept after forward: rank {row['rank']} held {got:,} parameter bytes at once "
-                    f"without prefetch, every unit's gathered weights together ({want['every']:,}: DDP's memory, "
-                    f"with FSDP's traffic); freed after each unit's forward it holds {want['peak']:,} (shards "
-                    f"{want['shards']:,} + replicated {want['replicated']:,} + the root's {want['root']:,} + one "
-                    f"block's {want['block']:,}). In after_forward, free the unit's weights: the numbers are "
-                    "right, the memory is not.")
+            return (f"the full weights are kept after forward, or every unit is gathered at once: rank {row['rank']} "
+                    f"held {got:,} parameter bytes at once without prefetch, the shards and every unit's gathered "
+                    f"weights together ({want['every']:,}: more than DDP's parameters, with FSDP's traffic); with "
+                    f"one unit gathered at a time it holds {want['peak']:,} (shards {want['shards']:,} + replicated "
+                    f"{want['replicated']:,} + the root's {want['root']:,} + one block's {want['block']:,}). Either "
+                    "after_forward does not free the unit's weights, or before_forward starts more units than "
+                    "1 + prefetch (with prefetch=0, only units[i]): the numbers are right, the memory is not.")
         return (f"rank {row['rank']} held {got:,} parameter bytes at once without prefetch, where shards, replicated "
-                f"parameters, the root's and one block's gathered weights make {want['peak']:,}: does before_forward "
-                "start more units than 1 + prefetch?")
+                f"parameters, the root's and one block's gathered weights make {want['peak']:,}. Either after_forward "
+                "does not free the unit's weights, or before_forward starts more units than 1 + prefetch (with "
+                "prefetch=0, only units[i]).")
+    return None
+
+
+def _prefetch_memory_problem(rows: list[dict], shape: dict) -> str | None:
+    """The peak of every MiniGPT run with prefetch against ``predicted_peak`` (checked after the prefetch itself)."""
+    for row in rows:
+        for run in row["runs"]:
+            if run["kind"] != "gpt" or run["prefetch"] == 0:
+                continue
+            want = predicted_peak(shape, row["rank"], run["prefetch"], BF16 if run["dtype"] == "bfloat16" else FP32)
+            if run["peak_param_bytes"] != want["peak"]:
+                return (f"rank {row['rank']} held {run['peak_param_bytes']:,} parameter bytes at once in the "
+                        f"{run['dtype']} run with prefetch={run['prefetch']}, where shards, replicated parameters, the "
+                        f"root's and 1 + {run['prefetch']} blocks' gathered weights make {want['peak']:,}: does "
+                        "before_forward or before_backward start another number of units than 1 + prefetch, or "
+                        "after_forward keep what it gathered?")
     return None
 
 
@@ -257,7 +277,8 @@ def _prefetch_problem(rows: list[dict]) -> str | None:
 
 def diagnose(found: list[dict], *, shape: dict, losses: list[float], bf16_rtol: float) -> Verdict:
     rows = sorted(found, key=lambda r: r["rank"])
-    for check in (_gradient_problem(rows), _ratio_problem(rows), _memory_problem(rows, shape), _prefetch_problem(rows)):
+    for check in (_gradient_problem(rows), _ratio_problem(rows), _memory_problem(rows, shape), _prefetch_problem(rows),
+                  _prefetch_memory_problem(rows, shape)):
         if check:
             return Verdict(False, check)
     for run in rows[0]["runs"]:
@@ -274,14 +295,15 @@ def diagnose(found: list[dict], *, shape: dict, losses: list[float], bf16_rtol: 
     off = max(abs(a - b) / abs(b) for a, b in zip(adamw["losses"], losses))
     if off > LOSS_RTOL:
         return Verdict(False, f"the AdamW run's losses differ from the grader's one-process run by {off:.1e} (relative)")
-    peaks = [predicted_peak(shape, r["rank"], p) for r in rows for p in (0, 1)]
+    peaks = [predicted_peak(shape, rows[0]["rank"], p) for p in (0, adamw["prefetch"])]
     flying = sum(bool(c["in_flight"]) for c in adamw["computes"])
     return Verdict(True, f"the fp32 runs (SGD and AdamW, MiniGPT and a model of odd sizes) equal the one-process "
                          f"reference bit for bit; bf16 within {rel:.1e} of fp32's losses; gradients fp32, in their shard's "
                          f"shape, averaged; peak parameter bytes per rank {peaks[0]['peak']:,} without prefetch and "
-                         f"{peaks[1]['peak']:,} with, as predicted; with prefetch {flying} of "
-                         f"{len(adamw['computes'])} unit computations began with the next all-gather in flight; the "
-                         "losses equal the grader's one-process reference.")
+                         f"{peaks[1]['peak']:,} with prefetch {adamw['prefetch']}, as predicted; with prefetch "
+                         f"{flying} of {len(adamw['computes'])} unit computations began with the next all-gather in flight; the "
+                         f"AdamW losses within {off:.0e} (allowed {LOSS_RTOL:.0e}) of the grader's one-process run "
+                         "on the global batch.")
 
 
 def grade(path: str | Path, timeout: float = 180) -> GradedRun:
