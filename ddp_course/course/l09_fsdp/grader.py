@@ -41,8 +41,9 @@ NORM_RTOL = 1e-5  # one process on the global batch vs 2 ranks averaging: last-b
 ROOT_PARAMS = ("tok_emb.weight", "pos_emb.weight", "ln_f.weight", "ln_f.bias")
 
 
-def reference_norms(constants: dict, world_size: int = NPROC) -> dict[str, float]:
-    """Train the exercise's model in this process on every rank's batch at once; the parameters' norms."""
+def reference_training(constants: dict, world_size: int = NPROC) -> tuple[list[float], dict[str, float]]:
+    """Train the exercise's model with AdamW in this process on every rank's batch at once (SHAPE,
+    MICRO_BATCH_SIZE, STEPS, LR, SEED of ``constants``): each step's loss, and the parameters' norms after."""
     import torch
 
     from ddp_course.course.tiny import micro_batch, tiny_model
@@ -50,6 +51,7 @@ def reference_norms(constants: dict, world_size: int = NPROC) -> dict[str, float
     shape, mbs, steps, lr, seed = (constants[k] for k in ("SHAPE", "MICRO_BATCH_SIZE", "STEPS", "LR", "SEED"))
     model = tiny_model(seed, **shape)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    losses = []
     for step in range(steps):  # DDP's average over ranks = the mean loss over the concatenated batches
         parts = [micro_batch(step, r, micro_batch_size=mbs, block_size=shape["block_size"], seed=seed)
                  for r in range(world_size)]
@@ -57,7 +59,13 @@ def reference_norms(constants: dict, world_size: int = NPROC) -> dict[str, float
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-    return {n: p.detach().norm().item() for n, p in model.named_parameters()}
+        losses.append(loss.item())
+    return losses, {n: p.detach().norm().item() for n, p in model.named_parameters()}
+
+
+def reference_norms(constants: dict, world_size: int = NPROC) -> dict[str, float]:
+    """The parameters' norms after ``reference_training``."""
+    return reference_training(constants, world_size)[1]
 
 
 def forward_budget(constants: dict) -> dict[str, int]:

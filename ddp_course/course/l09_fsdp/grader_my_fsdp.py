@@ -77,24 +77,11 @@ def predicted_peak(shape: dict[str, int], rank: int, prefetch: int, compute_byte
 
 
 def reference_losses(constants: dict, world_size: int = NPROC) -> list[float]:
-    """MiniGPT trained with AdamW in this process on every rank's micro-batch at once: the losses."""
-    import torch
+    """MiniGPT trained with AdamW in this process on every rank's micro-batch at once: the losses
+    (exercise 09's one-process reference, ``grader.reference_training``)."""
+    from ddp_course.course.l09_fsdp.grader import reference_training
 
-    from ddp_course.course.tiny import micro_batch, tiny_model
-
-    shape, mbs, steps, lr, seed = (constants[k] for k in ("SHAPE", "MICRO_BATCH_SIZE", "STEPS", "LR", "SEED"))
-    model = tiny_model(seed, **shape)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    losses = []
-    for step in range(steps):
-        parts = [micro_batch(step, r, micro_batch_size=mbs, block_size=shape["block_size"], seed=seed)
-                 for r in range(world_size)]
-        _, loss = model(torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]))
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-    return losses
+    return reference_training(constants, world_size)[0]
 
 
 def shard_problem(shard_of) -> str | None:
