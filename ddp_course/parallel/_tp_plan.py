@@ -65,9 +65,20 @@ def root_plan(sequence_parallel: bool = True, vocab_parallel: bool = False) -> d
     return plan
 
 
+def stage_plan(first: bool, last: bool) -> dict[str, Any]:
+    """:func:`root_plan` (sequence parallel) for one stage of a pipeline: the residual stream is cut onto
+    the sequence on the first stage only (a later stage receives its sequence shard from the stage before
+    it, already cut) and made whole before the head on the last."""
+    return {key: style for key, style in root_plan(sequence_parallel=True).items()
+            if (first if key == "blocks.0" else last)}
+
+
 def tensor_parallel(model: MiniGPT, mesh: DeviceMesh, *, sequence_parallel: bool = True,
-                    vocab_parallel: bool = False) -> MiniGPT:
-    """Split every block of ``model`` over the 1-D ``mesh`` (the tensor-parallel ranks), in place."""
+                    vocab_parallel: bool = False, root: dict[str, Any] | None = None) -> MiniGPT:
+    """Split every block of ``model`` over the 1-D ``mesh`` (the tensor-parallel ranks), in place.
+
+    ``model``: a MiniGPT, or a part of one with its ``cfg`` and ``blocks`` (a pipeline stage, which
+    passes ``root=stage_plan(...)`` in place of :func:`root_plan`)."""
     from torch.distributed.tensor.parallel import parallelize_module
 
     n = mesh.size()
@@ -80,7 +91,7 @@ def tensor_parallel(model: MiniGPT, mesh: DeviceMesh, *, sequence_parallel: bool
         rearrange_qkv(block.attn, n)
         block.attn = HeadParallelAttention(block.attn, n)
         parallelize_module(block, mesh, block_plan(sequence_parallel))
-    plan = root_plan(sequence_parallel, vocab_parallel)
+    plan = root_plan(sequence_parallel, vocab_parallel) if root is None else root
     if plan:
         parallelize_module(model, mesh, plan)
     if vocab_parallel:

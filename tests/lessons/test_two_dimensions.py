@@ -1,6 +1,6 @@
 """Lesson 13 (two dimensions at once): the 2-D lab against one process, the plan's predictions, the
 strategy ``fsdp_tp`` in the training loop (trained, resumed bit for bit, loaded at other mesh shapes),
-and what the plan needs from PyTorch as it is.
+what the plan needs from PyTorch as it is, and the third dimension (pipeline stages over the 2-D plan).
 
 The jobs are the notebook's: under ``make test`` each test reads the notebook's run of the same job
 (``notebook_runs.reuse``) instead of launching it again.
@@ -207,6 +207,88 @@ def test_pytorch_still_unties_a_tied_weight_and_gloo_still_reduce_scatters_by_an
     # the day this flips, the root reshards after a forward: the order kept in
     # two_d_harness.train_side_by_side (optimizer first) stays right, the section's warning goes
     assert found["late_optimizer_moves_root"] is False
+
+
+# --- a third dimension: pipeline stages over the 2-D plan (section 11) ----------------------------
+
+THREE = "ddp_course.course.l13_two_dimensions.three_d_lab"
+
+
+@pytest.fixture(scope="module")
+def three(tmp_path_factory):
+    job = notebook_runs.reuse("runs/13_three_d", THREE, 8)
+    if job is None:
+        job = run(THREE, nproc=8, out_dir=tmp_path_factory.mktemp("three_d_lab"), timeout=300, progress=False,
+                  echo="none")
+    return json.loads((job.out_dir / "three_d_lab.json").read_text())
+
+
+@pytest.mark.timeout(400)
+def test_pipeline_over_fsdp_over_tensor_parallel_trains_like_one_process(three):
+    """8 ranks as 2 x 2 x 2: every rank's stage (its gradients at the first step, its weights after the
+    last) and the last stage's losses against one process, within the 2-D lab's tolerances."""
+    tol = three["tolerances"]
+    assert (three["pp"], three["dp"], three["tp"]) == (2, 2, 2) and three["matches"]
+    assert three["losses"] == pytest.approx(three["reference_losses"], rel=tol["loss_rtol"])
+    for r in three["per_rank"]:
+        assert r["grad_rel_err"] <= tol["grad_rtol"] and r["update_rel_diff"] <= tol["update_rtol"], r["rank"]
+    # rank (s * dp + d) * tp + t, every stage's blocks once, the embeddings first and the head last
+    for r in three["per_rank"]:
+        c = r["coords"]
+        assert r["rank"] == (c["pp"] * three["dp"] + c["dp"]) * three["tp"] + c["tp"]
+        assert (r["first"], r["last"]) == (c["pp"] == 0, c["pp"] == three["pp"] - 1)
+    blocks = sorted({tuple(r["blocks"]) for r in three["per_rank"]})
+    assert blocks == [(0, 2), (2, 4)]
+    # every parameter of the whole model is compared somewhere (the tied matrix on both end stages)
+    names = set().union(*(r["params"] for r in three["per_rank"]))
+    assert "tok_emb.weight" in names and any(n.startswith("blocks.3.") for n in names) and "ln_f.weight" in names
+
+
+@pytest.mark.timeout(400)
+def test_fsdp_inside_the_pipeline_reduce_scatters_after_every_micro_batch(three):
+    """Gradient synchronisation left on: each micro-batch's backward reduce-scatters every FSDP unit of
+    the stage (its blocks and the stage), and tensor parallelism's collectives run over tp only."""
+    m = three["options"]["micro_batches"]
+    for r in three["per_rank"]:
+        units = r["blocks"][1] - r["blocks"][0] + 1
+        assert r["collectives"]["dp:reduce_scatter"] == m * units, r["rank"]
+        assert not any(k.endswith(":unseen") for k in r["collectives"]), r["collectives"]
+        assert r["collectives"]["tp:all_gather"] > 0 and "tp:reduce_scatter" in r["collectives"]
+
+
+def test_the_three_d_layout_refuses_what_cannot_be_split():
+    from ddp_course.cli import FlagError
+    from ddp_course.course.l13_two_dimensions import three_d_lab
+
+    opts = dict(three_d_lab.DEFAULTS)
+    assert three_d_lab.layout(8, opts) == (2, 2, 2)
+    assert three_d_lab.layout(4, {**opts, "tp": 1}) == (2, 2, 1)
+    assert three_d_lab.layout(4, opts) == (2, 1, 2)
+    for world, change, said in ((6, {}, "must divide the 6 ranks"), (8, {"pp": 1}, "at least 2"),
+                                (8, {"n_layer": 1}, "cannot give each of 2 stages"),
+                                (8, {"n_head": 3}, "--n_head=3 must be divisible by --tp=2"),
+                                (8, {"batch_size": 12}, "divisible by dp x micro_batches")):
+        with pytest.raises(FlagError, match=said):
+            three_d_lab.layout(world, {**opts, **change})
+
+
+def test_a_stage_names_its_parameters_as_the_whole_model_does():
+    from ddp_course.course.l13_two_dimensions.three_d_lab import global_name
+
+    assert global_name("blocks.0.attn.qkv.weight", 2) == "blocks.2.attn.qkv.weight"
+    assert global_name("blocks.1.mlp.fc.bias", 0) == "blocks.1.mlp.fc.bias"
+    assert global_name("head.weight", 2) == "tok_emb.weight"  # the tied matrix's copy on the last stage
+    assert global_name("ln_f.weight", 2) == "ln_f.weight" and global_name("pos_emb.weight", 0) == "pos_emb.weight"
+
+
+def test_the_stage_plan_cuts_the_sequence_on_the_first_stage_and_gathers_it_on_the_last():
+    from ddp_course.parallel import _tp_plan as tp_plan
+
+    whole = tp_plan.root_plan(sequence_parallel=True)
+    assert set(tp_plan.stage_plan(first=True, last=False)) == {"blocks.0"}
+    assert set(tp_plan.stage_plan(first=False, last=False)) == set()
+    assert set(tp_plan.stage_plan(first=False, last=True)) == {"ln_f", "head"}
+    assert set(tp_plan.stage_plan(first=True, last=True)) == set(whole)  # one stage: the whole model's plan
 
 
 @pytest.mark.multigpu

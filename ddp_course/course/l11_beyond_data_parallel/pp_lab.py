@@ -141,6 +141,7 @@ class Stage(nn.Module):
         super().__init__()
         lo, hi = stage_bounds(model.cfg.n_layer, n_stages)[index]
         self.index, self.first, self.last = index, index == 0, index == n_stages - 1
+        self.cfg = model.cfg  # the whole model's shape (lesson 13's tensor-parallel plan checks it)
         if self.first:
             self.tok_emb, self.pos_emb, self.drop = model.tok_emb, model.pos_emb, model.drop
         self.blocks = nn.ModuleList(model.blocks[lo:hi])

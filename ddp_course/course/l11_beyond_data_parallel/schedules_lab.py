@@ -185,15 +185,19 @@ def one_f_one_b_order(m: int, p: int, rank: int) -> list[str]:
 
 
 def hand_step(stage: Stage, x: torch.Tensor, y: torch.Tensor, m: int, order: list[str], *,
-              act_shape: tuple[int, ...], rec: Recorder) -> float | None:
+              act_shape: tuple[int, ...], rec: Recorder, peers: tuple[int, int] | None = None) -> float | None:
     """One forward-and-backward of the micro-batches of ``x``/``y`` on this rank's ``stage``, in ``order``.
 
     The i-th "F" is micro-batch i's forward: its input comes from the stage before (``recv``, blocking),
     its output goes to the stage after (``isend``). The i-th "B" is micro-batch i's backward: the
     gradient of its output comes from the stage after, the gradient of its input goes to the stage
     before. The micro-batch's graph is dropped right after its backward. Returns the loss of the
-    whole batch on the last stage (micro-batch losses are divided by m), None elsewhere."""
-    rank, device = dist.get_rank(), x.device
+    whole batch on the last stage (micro-batch losses are divided by m), None elsewhere.
+
+    ``peers``: the ranks of the stages before and after this one (default: this rank - 1 and + 1; on a
+    mesh with more dimensions than the pipeline's, lesson 13's three-dimensional lab passes its own)."""
+    device = x.device
+    prev, nxt = peers if peers is not None else (dist.get_rank() - 1, dist.get_rank() + 1)
     xs, ys = x.chunk(m), y.chunk(m)
     held: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # micro-batch -> (input, output) until its B
     sends: list = []
@@ -204,14 +208,14 @@ def hand_step(stage: Stage, x: torch.Tensor, y: torch.Tensor, m: int, order: lis
             inp = xs[f]
             if not stage.first:
                 inp = torch.empty((xs[f].shape[0], *act_shape), device=device)
-                recv(inp, rank - 1)
+                recv(inp, prev)
                 inp.requires_grad_(True)
             with rec.slot("F", stage.index, f):
                 out = stage(inp, ys[f]) / m if stage.last else stage(inp)
             if stage.last:
                 loss += out.detach()
             else:
-                sends.append(isend(out.detach(), rank + 1))
+                sends.append(isend(out.detach(), nxt))
             held[f] = (inp, out)
             f += 1
         else:
@@ -221,11 +225,11 @@ def hand_step(stage: Stage, x: torch.Tensor, y: torch.Tensor, m: int, order: lis
                     out.backward()
             else:
                 grad = torch.empty_like(out)
-                recv(grad, rank + 1)
+                recv(grad, nxt)
                 with rec.slot("B", stage.index, b):
                     out.backward(grad)
             if not stage.first:
-                sends.append(isend(inp.grad, rank - 1))
+                sends.append(isend(inp.grad, prev))
             del inp, out
             b += 1
     for work, _ in sends:
