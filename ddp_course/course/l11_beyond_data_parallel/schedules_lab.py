@@ -591,9 +591,10 @@ def main(argv: list[str]) -> int:
         tok = CharTokenizer.from_text(corpus.text)
         tokens = torch.tensor(tok.encode(corpus.text), dtype=torch.long)
         vocab = tok.vocab_size
-        data = batches(tokens, {**opts, "seed": opts["seed"]}, 1, info.device)[0]
-        # every pair of ranks that may hold the two ends (new_group is collective: all ranks, same order)
-        groups = {(a, b): dist.new_group([a, b]) for a in range(p) for b in range(a + 1, p)}
+        data = batches(tokens, opts, 1, info.device)[0]
+        # the ranks that hold the two ends when they are apart: the first and the last rank under every
+        # placement here (round robin puts stage p * v - 1 on rank p - 1; V puts both ends on rank 0)
+        groups = {(0, p - 1): dist.new_group([0, p - 1])}
         model = build_model(opts, vocab, info.device)
         _, ref_loss = model(*data)
         ref_loss.backward()
