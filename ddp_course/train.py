@@ -77,19 +77,10 @@ def make_scaler(device: torch.device, precision: str) -> torch.amp.GradScaler | 
     return torch.amp.GradScaler(device.type) if precision == "fp16" else None
 
 
-def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None,
-               micro_batches: Iterable[tuple[torch.Tensor, torch.Tensor]], *, device: torch.device, precision: str,
-               grad_clip: float, no_sync: bool = True, plan: parallel.Strategy | None = None
-               ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One optimizer step over K micro-batches; returns (mean loss, gradient norm) as tensors.
-
-    Each micro-batch's loss is divided by K, so the accumulated gradient is the gradient of the mean
-    loss over all K micro-batches. With ``no_sync`` (DDP), the non-final micro-steps run forward and
-    backward inside ``model.no_sync()`` and only the last one all-reduces. ``plan``: the strategy that
-    wrapped the model (the training job hands its own; by default the one that recorded ``model``).
-    """
-    plan = plan if plan is not None else parallel.strategy_of(model)
-    micro_batches = list(micro_batches)
+def _accumulate(model: nn.Module, scaler: torch.amp.GradScaler | None, micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
+                plan: parallel.Strategy, device: torch.device, precision: str, no_sync: bool) -> torch.Tensor:
+    """The loop's forwards and backwards: each micro-batch's loss divided by K, its backward under the
+    strategy's ``sync_context`` unless it is the last; returns the mean loss."""
     k_total = len(micro_batches)
     loss_sum = torch.zeros((), device=device)
     for k, (x, y) in enumerate(micro_batches):
@@ -100,6 +91,28 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch
             loss = loss / k_total
             (scaler.scale(loss) if scaler is not None else loss).backward()
         loss_sum += loss.detach()
+    return loss_sum
+
+
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None,
+               micro_batches: Iterable[tuple[torch.Tensor, torch.Tensor]], *, device: torch.device, precision: str,
+               grad_clip: float, no_sync: bool = True, plan: parallel.Strategy | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One optimizer step over K micro-batches; returns (mean loss, gradient norm) as tensors.
+
+    Each micro-batch's loss is divided by K, so the accumulated gradient is the gradient of the mean
+    loss over all K micro-batches. With ``no_sync`` (DDP), the non-final micro-steps run forward and
+    backward inside ``model.no_sync()`` and only the last one all-reduces. A strategy with a step of its
+    own (``forward_backward``: a pipeline's schedule) runs the forwards and backwards instead; the clip
+    and the optimizer step are the loop's either way. ``plan``: the strategy that wrapped the model (the
+    training job hands its own; by default the one that recorded ``model``).
+    """
+    plan = plan if plan is not None else parallel.strategy_of(model)
+    own_step = plan.forward_backward
+    if own_step is not None:  # a strategy whose step is not forward then backward (a pipeline's schedule)
+        loss_sum = own_step(model, list(micro_batches), lambda: autocast(device, precision))
+    else:
+        loss_sum = _accumulate(model, scaler, list(micro_batches), plan, device, precision, no_sync)
     if scaler is not None:
         scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
     grad_norm = plan.clip_grad_norm_(model, grad_clip) if grad_clip > 0 else None  # over every rank's shard (FSDP)

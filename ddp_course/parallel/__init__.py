@@ -43,6 +43,10 @@ name in the module       what it decides                             default
                          ranks of one dp rank read the same ones
 ``model_state_dict``     ``(model, options) -> dict``: the model's    ``get_model_state_dict``
                          state alone (final.pt, fingerprints)
+``forward_backward``     ``(model, micro_batches, autocast) ->        the training loop's own: each
+                         Tensor``: a step's forwards and backwards    micro-batch's forward, then its
+                         in the strategy's order (a pipeline's        backward (its loss divided by K),
+                         schedule); the mean loss, on every rank      under ``sync_context``
 =======================  ==========================================  =========================================
 
 Every other public name of the module must be a constant (an upper-case name holding data), a class,
@@ -125,6 +129,8 @@ class StrategyModule(Protocol):
     def devices_per_rank(self, model: nn.Module) -> int: ...
     def data_parallel(self, rank: int, world_size: int, cfg: Any) -> tuple[int, int]: ...
     def model_state_dict(self, model: nn.Module, options: StateDictOptions | None) -> dict: ...
+    def forward_backward(self, model: nn.Module, micro_batches: list,
+                         autocast: Callable[[], contextlib.AbstractContextManager]) -> torch.Tensor: ...
 
 
 # every hook, with the number of arguments it takes (StrategyModule's methods, less ``self``)
@@ -305,6 +311,12 @@ class Strategy:
 
     def model_state_dict(self, model: nn.Module, options: StateDictOptions | None = None) -> dict:
         return self._hook("model_state_dict", DCP.model_state_dict)(model, options)
+
+    @property
+    def forward_backward(self) -> Callable[..., torch.Tensor] | None:
+        """The strategy's own forwards and backwards of a step (a pipeline schedule), or None: the
+        training loop's (``train.train_step``)."""
+        return getattr(self.module, "forward_backward", None)
 
 
 @functools.cache

@@ -87,7 +87,7 @@ def tensor_parallel(model: MiniGPT, mesh: DeviceMesh, *, sequence_parallel: bool
             (("block_size", cfg.block_size),) if sequence_parallel else ()):
         if size % n:
             raise ValueError(f"{what}={size} does not split over {n} tensor-parallel ranks")
-    for block in model.blocks:
+    for block in model.blocks.children():  # a list of blocks, or a pipeline stage's dict of them
         rearrange_qkv(block.attn, n)
         block.attn = HeadParallelAttention(block.attn, n)
         parallelize_module(block, mesh, block_plan(sequence_parallel))
