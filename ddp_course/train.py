@@ -77,7 +77,7 @@ def make_scaler(device: torch.device, precision: str) -> torch.amp.GradScaler | 
     return torch.amp.GradScaler(device.type) if precision == "fp16" else None
 
 
-def _accumulate(model: nn.Module, scaler: torch.amp.GradScaler | None, micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
+def _accumulate(model: nn.Module, scaler: torch.amp.GradScaler | None, micro_batches: list[Batch],
                 plan: parallel.Strategy, device: torch.device, precision: str, no_sync: bool) -> torch.Tensor:
     """The loop's forwards and backwards: each micro-batch's loss divided by K, its backward under the
     strategy's ``sync_context`` unless it is the last; returns the mean loss."""
