@@ -61,8 +61,7 @@ steps and samples through it, and hands it to ``checkpoint`` (which never looks 
 only holds a wrapped model (a lesson calling ``train_step``) finds its plan with :func:`strategy_of`
 (:meth:`Strategy.wrap` records it; a wrapper built by hand is recorded with :func:`record`): nothing
 asks the model which wrapper it is. A model nobody wrapped here gets the defaults, right for a plain
-model. ``checkpoint`` uses PyTorch's state dicts unless handed ``plan=``; a model wrapped by a strategy
-with state-dict hooks of its own (ZeRO-1, FSDP x TP) is refused there without its plan.
+model. ``checkpoint``'s functions that read or write states require the plan (``plan=``).
 """
 
 from __future__ import annotations
@@ -83,7 +82,7 @@ import torch.nn as nn
 if TYPE_CHECKING:  # imported where used: torch.distributed.checkpoint is slow to import
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-from ddp_course.checkpoint import DCP, OWN_STATES
+from ddp_course.checkpoint import DCP
 from ddp_course.config import ConfigError, TrainConfig
 from ddp_course.dist import DistInfo
 from ddp_course.parallel._optimizer import adamw, adamw_options, decay_groups  # noqa: F401 -- the default, and lessons' import
@@ -133,7 +132,6 @@ HOOKS: dict[str, int] = {name: len(inspect.signature(fn).parameters) - 1
 # the constants the contract reads, with the type each must hold
 CONSTANTS: dict[str, type] = {"NEEDS_PROCESS_GROUP": bool, "LAUNCH_EXAMPLE": str, "OPTIONS": dict, "HELPERS": tuple,
                               "TWO_RANKS": dict, "HELP_ORDER": int}
-STATE_HOOKS = ("state_dict", "load_state_dict", "model_state_dict", "has_state")  # what checkpoint asks
 CONTRACT = "ddp_course/parallel/__init__.py"
 
 
@@ -259,11 +257,8 @@ class Strategy:
         return self.note(self.module.wrap(model, info, cfg))
 
     def note(self, wrapped: nn.Module) -> nn.Module:
-        """Record that ``wrapped`` is this strategy's (:func:`strategy_of` finds it; checkpoint refuses it
-        without this plan when the strategy reads its states with hooks of its own); returns it."""
+        """Record that ``wrapped`` is this strategy's (:func:`strategy_of` finds it); returns it."""
         _WRAPPED[wrapped] = self
-        if any(callable(vars(self.module).get(hook)) for hook in STATE_HOOKS):
-            OWN_STATES[wrapped] = self.name
         return wrapped
 
     def build_optimizer(self, model: nn.Module, cfg: Any, device: torch.device) -> torch.optim.Optimizer:

@@ -358,13 +358,17 @@ def test_no_strategy_behaviour_is_decided_by_probing_the_model(where):
 
 
 def test_checkpoint_is_handed_its_plan_and_never_looks_it_up():
-    """The training job holds its strategy and hands it to ``checkpoint`` (``plan=``): checkpoint does not
-    import ``parallel``, so it cannot climb back into it (``test_every_strategy`` shows the job never
-    looks its plan up again)."""
+    """The training job holds its strategy and hands it to ``checkpoint`` (``plan=``, required wherever it
+    is taken: no default to fall back on): checkpoint does not import ``parallel``, so it cannot climb
+    back into it (``test_every_strategy`` shows the job never looks its plan up again)."""
     tree = ast.parse((PACKAGE / "checkpoint.py").read_text(encoding="utf-8"))
     imported = [ast.unparse(n) for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))
                 and "parallel" in ast.unparse(n)]
     assert imported == [], imported
+    taking = {f.name: default for f in ast.walk(tree) if isinstance(f, ast.FunctionDef) and f.name[0] != "_"
+              for arg, default in zip(f.args.kwonlyargs, f.args.kw_defaults) if arg.arg == "plan"}
+    assert {"save", "save_final", "restore", "resume", "fingerprint"} <= taking.keys(), taking
+    assert [name for name, default in taking.items() if default is not None] == []
 
 
 # --- the grading harness: split by concern, and nothing in the package runs a file by its path -------------
