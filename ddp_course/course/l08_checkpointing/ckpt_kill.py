@@ -82,7 +82,8 @@ def main(argv: list[str]) -> int:
         cfg = TrainConfig(strategy="ddp" if info.is_distributed else "single", n_layer=SHAPE["n_layer"],
                           n_head=SHAPE["n_head"], n_embd=SHAPE["n_embd"], block_size=SHAPE["block_size"])
         seed_everything(0)
-        model = parallel.wrap(MiniGPT(GPTConfig(**SHAPE)).to(info.device), info, cfg)
+        plan = parallel.plan_for(cfg)
+        model = plan.wrap(MiniGPT(GPTConfig(**SHAPE)).to(info.device), info, cfg)
         optimizer = build_optimizer(model, cfg, info.device)
         g = torch.Generator().manual_seed(100 + info.rank)
 
@@ -92,7 +93,6 @@ def main(argv: list[str]) -> int:
                        grad_clip=1.0)
 
         step()
-        plan = parallel.strategy_of(model)
         path1 = checkpoint.save(out_dir, 1, model, optimizer, None, info, SHAPE, keep_last=2, fmt=fmt, plan=plan)
         fp1 = checkpoint.fingerprint(model, optimizer, plan=plan)
         step()

@@ -42,9 +42,9 @@ def load_into_new_job(path: str | Path, info) -> dict[str, Any]:
     shape = meta["shape"]
     cfg = TrainConfig(strategy="ddp" if info.is_distributed else "single", block_size=shape["block_size"],
                       n_layer=shape["n_layer"], n_head=shape["n_head"], n_embd=shape["n_embd"])
-    model = parallel.wrap(MiniGPT(GPTConfig(**shape)).to(info.device), info, cfg)
+    plan = parallel.plan_for(cfg)
+    model = plan.wrap(MiniGPT(GPTConfig(**shape)).to(info.device), info, cfg)
     optimizer = build_optimizer(model, cfg, info.device)
-    plan = parallel.strategy_of(model)
     meta = checkpoint.resume(path, model, optimizer, None, info, shape, plan=plan)
     step, saved_ws = int(meta["step"]), int(meta["world_size"])
     row = {"path": str(path), "format": checkpoint.format_of(path), "saved_world_size": saved_ws, "step": step,
