@@ -35,12 +35,13 @@ gathers and barriers around the writing are outside any ``if rank == 0``: a coll
 rank 0 enters waits forever for the others (the classic checkpoint hang).
 
 States: how a model's and optimizer's states are read and put back is the strategy's decision.
-Every function that touches them takes ``plan``, anything with :class:`States`'s four methods: the
-training job hands its strategy's plan (``parallel.Strategy``). Without one, :data:`DCP` reads them
-with ``torch.distributed.checkpoint``'s ``get_state_dict``, which is right for a plain model and for
-DDP, FSDP and FSDP1 (the strategies that keep PyTorch's defaults); ZeRO-1 and FSDP x TP bring their
-own, and a model they wrapped is refused without its plan (:data:`OWN_STATES`). This module never
-looks the plan up: it does not import ``parallel``.
+Every function that touches them requires ``plan=``, anything with :class:`States`'s four methods: the
+training job hands its own (``parallel.Strategy``, which holds what its strategy kept while wrapping,
+such as FSDP x TP's tensor-parallel size); code that holds only a wrapped model hands
+``parallel.strategy_of(model)``. :data:`DCP` is ``torch.distributed.checkpoint``'s ``get_state_dict``
+and ``set_state_dict``, right for a plain model and for DDP, FSDP and FSDP1 (the strategies that keep
+PyTorch's defaults); ZeRO-1 and FSDP x TP bring their own. This module never looks a plan up: it does
+not import ``parallel``, and it keeps no table of models.
 """
 
 from __future__ import annotations
@@ -52,7 +53,6 @@ import random
 import re
 import shutil
 import warnings
-import weakref
 import zipfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -85,7 +85,7 @@ class States(Protocol):
     """What a checkpoint needs from a strategy: its states, keyed by parameter name, and a way back.
 
     ``parallel.Strategy`` is one (a strategy module may override each; the table in
-    ``parallel/__init__.py``); :data:`DCP` is the default.
+    ``parallel/__init__.py``); :data:`DCP`, PyTorch's own, is its default and a plain model's plan.
     """
 
     def state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer,
@@ -121,21 +121,7 @@ class _DCPStates:
         return bool(optimizer.state)
 
 
-DCP: States = _DCPStates()  # the default plan: a plain, DDP, FSDP or FSDP1 model
-
-# Models wrapped by a strategy that reads their states with hooks of its own, and its name: read with
-# the default plan they would be saved or hashed otherwise than their strategy reads them (ZeRO-1's
-# optimizer state left out, FSDP x TP's rows in their sharded order), so that is refused.
-# ``parallel.Strategy.wrap`` writes it; checkpoint only reads it.
-OWN_STATES: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
-
-
-def _check_plan(model: nn.Module, plan: States) -> None:
-    strategy = OWN_STATES.get(model) if plan is DCP else None
-    if strategy is not None:
-        raise CheckpointError(f"this model was wrapped by --strategy={strategy}, whose state dicts are its own: "
-                              f"pass plan=ddp_course.parallel.get({strategy!r}) to the checkpoint functions "
-                              "(the training job hands its own plan).")
+DCP: States = _DCPStates()  # PyTorch's state dicts: the plan of a plain, DDP, FSDP or FSDP1 model
 
 
 # --- where checkpoints live ------------------------------------------------------------------------
@@ -323,7 +309,7 @@ def _full_options(device: torch.device) -> StateDictOptions:
 
 def save(out_dir: str | os.PathLike, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
          scaler: Scaler | None, info: DistInfo, shape: dict[str, int], *,
-         keep_last: int = 2, fmt: str = "full", position: dict[str, int] | None = None, plan: States = DCP
+         keep_last: int = 2, fmt: str = "full", position: dict[str, int] | None = None, plan: States
          ) -> Path | None:
     """Save the training state after ``step`` optimizer steps; returns the path on rank 0, else None.
 
@@ -333,7 +319,6 @@ def save(out_dir: str | os.PathLike, step: int, model: nn.Module, optimizer: tor
     (the strategy's; see :class:`States`).
     """
     _check_format(fmt)
-    _check_plan(model, plan)
     d = ckpt_dir(out_dir)
     path = checkpoint_path(out_dir, step, fmt)
     meta = {"format": fmt, "step": int(step), "shape": dict(shape), "world_size": info.world_size,
@@ -375,13 +360,12 @@ def save(out_dir: str | os.PathLike, step: int, model: nn.Module, optimizer: tor
     return path if info.is_main else None
 
 
-def save_final(out_dir: str | os.PathLike, step: int, model: nn.Module, info: DistInfo, *, plan: States = DCP
+def save_final(out_dir: str | os.PathLike, step: int, model: nn.Module, info: DistInfo, *, plan: States
                ) -> Path | None:
     """Write ``final.pt`` (the unwrapped model's parameters after ``step`` steps), atomically, by rank 0.
 
     A collective (every rank calls it). Cheap: the model only, no optimizer.
     """
-    _check_plan(model, plan)
     model_sd = plan.model_state_dict(model, _full_options(info.device))
     path = Path(out_dir) / FINAL
     if info.is_main:
@@ -445,11 +429,10 @@ def load(path: str | os.PathLike, device: torch.device | str = "cpu", shape: dic
 
 
 def restore(state: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer, scaler: Scaler | None,
-            info: DistInfo | None = None, path: str | os.PathLike = "checkpoint", *, plan: States = DCP) -> int:
+            info: DistInfo | None = None, path: str | os.PathLike = "checkpoint", *, plan: States) -> int:
     """Put a ``full`` checkpoint's states into the objects (every rank); returns the step to continue from."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-    _check_plan(model, plan)
     try:
         plan.load_state_dict(model, optimizer, state["model"], state["optimizer"], StateDictOptions(full_state_dict=True))
     except (RuntimeError, KeyError, ValueError) as exc:
@@ -545,7 +528,7 @@ def _safe_reader_and_planner(path: Path):
 
 
 def resume(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer, scaler: Scaler | None,
-           info: DistInfo, shape: dict[str, int] | None = None, *, plan: States = DCP) -> dict[str, Any]:
+           info: DistInfo, shape: dict[str, int] | None = None, *, plan: States) -> dict[str, Any]:
     """Load a checkpoint of either format into the objects, on every rank; returns its metadata.
 
     A collective: every rank must call it. The world size may differ from the one that saved it.
@@ -556,7 +539,6 @@ def resume(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Opt
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"checkpoint {path} does not exist.")
-    _check_plan(model, plan)
     if path.is_file():
         state = load(path, "cpu", shape)  # CPU copies; load_state_dict moves them to each rank's device
         restore(state, model, optimizer, scaler, info, path, plan=plan)
@@ -627,7 +609,7 @@ def restore_rng_after_first(batches: Iterator[T], meta: dict[str, Any], info: Di
     yield from batches
 
 
-def fingerprint(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, plan: States = DCP) -> str:
+def fingerprint(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, plan: States) -> str:
     """A short SHA-256 of the model's full tensors (and the optimizer's state, if given), bit for bit.
 
     Two fingerprints are equal only if every parameter (and every AdamW moment and step count) is
@@ -656,7 +638,6 @@ def fingerprint(model: nn.Module, optimizer: torch.optim.Optimizer | None = None
         else:
             h.update(repr(obj).encode())
 
-    _check_plan(model, plan)
     full = StateDictOptions(full_state_dict=True)  # whole tensors on every rank
     if optimizer is None or not plan.has_state(optimizer):  # (an empty state would be initialised by the call)
         feed(plan.model_state_dict(model, full))

@@ -274,7 +274,7 @@ def _validate_train(overrides: dict[str, Any], nproc: int) -> None:
         check_corpus(cfg.corpus)
     except (DeviceError, CorpusError) as exc:  # bad input: a ConfigError, told before any process starts
         raise ConfigError(str(exc)) from None
-    why = parallel.get(cfg.strategy).refusal(distributed=True, world_size=nproc)  # torchrun starts every job of N > 1
+    why = parallel.plan_for(cfg).refusal(distributed=True, world_size=nproc)  # torchrun starts every job of N > 1
     if why and nproc > 1:
         raise ConfigError(why)
 
@@ -549,7 +549,7 @@ def run(module: str = TRAIN_MODULE, nproc: int = 2, *, out_dir: str | os.PathLik
     if is_train:
         _validate_train(overrides, nproc)
     if use_torchrun is None:
-        use_torchrun = nproc > 1 or parallel.get(str(overrides.get("strategy", "single"))).needs_process_group
+        use_torchrun = nproc > 1 or parallel.Strategy(str(overrides.get("strategy", "single"))).needs_process_group
     job = _job(module, nproc, overrides, out_path, use_torchrun, torchrun_args)
     full_env = _environment(nproc, job.job_id, torchrun_args, env)
     if job.postmortem is not None:

@@ -152,7 +152,7 @@ class _Job:
 
     cfg: TrainConfig
     info: DistInfo
-    plan: parallel.Strategy  # the strategy, looked up once: everything it decides is asked of it
+    plan: parallel.Strategy  # the strategy, built once for this job: everything it decides is asked of it
     data: Data
     model: nn.Module
     optimizer: torch.optim.Optimizer
@@ -434,7 +434,7 @@ def _write_summary(job: _Job, summary: dict[str, Any]) -> None:
 def run_training(cfg: TrainConfig, info: DistInfo) -> dict[str, Any]:
     """The loop itself, inside an initialised process group (or a single process). Returns the summary."""
     cfg = cfg.replace()  # never mutate the caller's config
-    plan = parallel.get(cfg.strategy)  # looked up once; the job holds it
+    plan = parallel.plan_for(cfg)  # built once; the job holds it (and the state its strategy keeps)
     dp_rank, dp_size = plan.data_parallel(info.rank, info.world_size, cfg)
     cfg.resolve_batch(dp_size)
     device = info.device
@@ -499,7 +499,7 @@ def check_launch(cfg: TrainConfig) -> None:
     ``--out_dir`` (created here; every rank may write into it). Raises :class:`ConfigError`."""
     distributed = launched_by_torchrun()
     world_size = int(os.environ.get("WORLD_SIZE", 1)) if distributed else 1
-    plan = parallel.get(cfg.strategy)
+    plan = parallel.plan_for(cfg)
     why = plan.refusal(distributed, world_size)
     if why:
         raise ConfigError(why)

@@ -49,6 +49,11 @@ name in the module       what it decides                             default
                          schedule); the mean loss, on every rank      under ``sync_context``
 =======================  ==========================================  =========================================
 
+What a strategy learns while it wraps and its other hooks need later (FSDP x TP's tensor-parallel size,
+FSDP1's parameter dimensions before it flattens them) is kept by the plan, never on the model: any hook,
+``wrap`` included, may take a keyword-only ``state`` besides the table's arguments, and every hook of
+one plan is handed the same dict (:attr:`Strategy.state`, empty until ``wrap`` fills it).
+
 Every other public name of the module must be a constant (an upper-case name holding data), a class,
 a module it imports, or a helper it names in ``HELPERS`` (a tuple of names: its own public functions
 other code uses, and the functions it imports under their own names, such as ``fully_shard``);
@@ -60,13 +65,13 @@ Whether a process can run the strategy at all (started by torchrun or not, how m
 decided in one place, :meth:`Strategy.refusal`, from ``NEEDS_PROCESS_GROUP``; a module may give
 ``LAUNCH_EXAMPLE``, the torchrun arguments the refusal suggests.
 
-The training job looks its plan up once (:func:`get`) and holds it: it wraps, builds the optimizer,
-steps and samples through it, and hands it to ``checkpoint`` (which never looks it up). Code that
-only holds a wrapped model (a lesson calling ``train_step``) finds its plan with :func:`strategy_of`
-(:meth:`Strategy.wrap` records it; a wrapper built by hand is recorded with :func:`record`): nothing
-asks the model which wrapper it is. A model nobody wrapped here gets the defaults, right for a plain
-model. ``checkpoint`` uses PyTorch's state dicts unless handed ``plan=``; a model wrapped by a strategy
-with state-dict hooks of its own (ZeRO-1, FSDP x TP) is refused there without its plan.
+A plan is one job's: the training job builds it once (:func:`plan_for`, a fresh :class:`Strategy`)
+and holds it: it wraps (once), builds the optimizer, steps and samples through it, and hands it to
+``checkpoint``, whose functions that read or write states require it (``plan=``; checkpoint never looks
+a plan up). Code that only holds a wrapped model (a lesson calling ``train_step``) finds the plan that
+wrapped it with :func:`strategy_of` (:meth:`Strategy.wrap` records it; a wrapper built by hand is
+recorded with :func:`record`): nothing asks the model which wrapper it is. A model nobody wrapped here
+gets the defaults, right for a plain model.
 """
 
 from __future__ import annotations
@@ -87,12 +92,12 @@ import torch.nn as nn
 if TYPE_CHECKING:  # imported where used: torch.distributed.checkpoint is slow to import
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-from ddp_course.checkpoint import DCP, OWN_STATES
+from ddp_course.checkpoint import DCP
 from ddp_course.config import ConfigError, TrainConfig
 from ddp_course.dist import DistInfo
 from ddp_course.parallel._optimizer import adamw, adamw_options, decay_groups  # noqa: F401 -- the default, and lessons' import
 
-_WRAPPED: weakref.WeakKeyDictionary[nn.Module, Strategy] = weakref.WeakKeyDictionary()
+_WRAPPED: weakref.WeakKeyDictionary[nn.Module, Strategy] = weakref.WeakKeyDictionary()  # wrapper -> its plan
 
 
 def without_compile(model: nn.Module) -> nn.Module:
@@ -139,21 +144,32 @@ HOOKS: dict[str, int] = {name: len(inspect.signature(fn).parameters) - 1
 # the constants the contract reads, with the type each must hold
 CONSTANTS: dict[str, type] = {"NEEDS_PROCESS_GROUP": bool, "LAUNCH_EXAMPLE": str, "OPTIONS": dict, "HELPERS": tuple,
                               "TWO_RANKS": dict, "HELP_ORDER": int}
-STATE_HOOKS = ("state_dict", "load_state_dict", "model_state_dict", "has_state")  # what checkpoint asks
+STATE = "state"  # the keyword-only argument through which a hook reaches its plan's per-job state
 CONTRACT = "ddp_course/parallel/__init__.py"
 
 
 def positional_arity(fn: Callable[..., Any]) -> int | None:
     """How many arguments ``fn`` takes when called with positional arguments alone (through a
-    ``functools.partial`` too); None when that cannot be one number (``*args``, a keyword-only argument
-    it requires, no readable signature)."""
+    ``functools.partial`` too) and, if it asks for it, the keyword-only ``state``; None when that
+    cannot be one number (``*args``, another keyword-only argument it requires, no readable signature)."""
     try:
         params = list(inspect.signature(fn).parameters.values())
     except (TypeError, ValueError):
         return None
-    if any(p.kind is p.VAR_POSITIONAL or (p.kind is p.KEYWORD_ONLY and p.default is p.empty) for p in params):
+    if any(p.kind is p.VAR_POSITIONAL or (p.kind is p.KEYWORD_ONLY and p.default is p.empty and p.name != STATE)
+           for p in params):
         return None
     return sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params)
+
+
+@functools.cache
+def takes_state(fn: Callable[..., Any]) -> bool:
+    """Whether the hook ``fn`` asks for its plan's per-job state (a keyword-only ``state``)."""
+    try:
+        param = inspect.signature(fn).parameters.get(STATE)
+    except (TypeError, ValueError):
+        return False
+    return param is not None and param.kind is param.KEYWORD_ONLY
 
 
 def _what(name: str, value: Any, module: str) -> str:
@@ -183,7 +199,8 @@ def _problem(name: str, value: Any, helpers: tuple[str, ...], module: str) -> st
         if got == HOOKS[name]:
             return None
         takes = ("is not a function" if got == -1 else f"takes {got} argument(s)" if got is not None
-                 else "takes arguments that cannot be counted (*args, a keyword it requires, or no signature)")
+                 else "takes arguments that cannot be counted (*args, a keyword it requires other than state, or no "
+                 "signature)")
         return (f"the hook {name} ({_what(name, value, module)}) {takes}; the contract ({CONTRACT}) calls it with "
                 f"{HOOKS[name]}: give it exactly those, or rename it if it is not meant as this hook.")
     if name in CONSTANTS:
@@ -223,19 +240,32 @@ def check_module(module: Any) -> None:
             raise ConfigError(f"{where}: HELPERS names {name}, which {why}; list only the module's public helpers.")
 
 
+@functools.cache
+def _module(name: str) -> Any:
+    """The module of ``--strategy=name``, imported and checked once (a plan holds no state of it)."""
+    module = importlib.import_module(f"{__name__}.{name}")
+    check_module(module)
+    return module
+
+
 class Strategy:
-    """One strategy's plan: the hooks of ``ddp_course/parallel/<name>.py``, or the defaults above."""
+    """One job's plan: the hooks of ``ddp_course/parallel/<name>.py`` (or the defaults above), and the
+    state they keep for this job (:attr:`state`). A fresh one per job (:func:`plan_for`); it wraps one model."""
 
     def __init__(self, name: str) -> None:
         self.name = name
-        self.module = importlib.import_module(f"{__name__}.{name}")
-        check_module(self.module)
+        self.module = _module(name)
+        self.state: dict[str, Any] = {}  # what its hooks keep for this job (written by wrap), never the model
+        self._wrapped = False
 
     def __repr__(self) -> str:
         return f"Strategy({self.name!r})"
 
     def _hook(self, name: str, default: Callable[..., Any]) -> Callable[..., Any]:
-        return getattr(self.module, name, default)
+        hook = getattr(self.module, name, None)
+        if hook is None:
+            return default
+        return functools.partial(hook, state=self.state) if takes_state(hook) else hook
 
     @property
     def needs_process_group(self) -> bool:
@@ -262,14 +292,15 @@ class Strategy:
         why = self.refusal(info.is_distributed, info.world_size)
         if why:
             raise ConfigError(why)
-        return self.note(self.module.wrap(model, info, cfg))
+        if self._wrapped:
+            raise RuntimeError(f"{self!r} has wrapped a model already: a plan is one job's, and holds that job's "
+                               "state. Build a fresh one for another model (parallel.plan_for(cfg)).")
+        return self.note(self._hook("wrap", self.module.wrap)(model, info, cfg))
 
     def note(self, wrapped: nn.Module) -> nn.Module:
-        """Record that ``wrapped`` is this strategy's (:func:`strategy_of` finds it; checkpoint refuses it
-        without this plan when the strategy reads its states with hooks of its own); returns it."""
+        """Record that ``wrapped`` is this plan's (:func:`strategy_of` finds it); returns it."""
+        self._wrapped = True
         _WRAPPED[wrapped] = self
-        if any(callable(vars(self.module).get(hook)) for hook in STATE_HOOKS):
-            OWN_STATES[wrapped] = self.name
         return wrapped
 
     def build_optimizer(self, model: nn.Module, cfg: Any, device: torch.device) -> torch.optim.Optimizer:
@@ -319,34 +350,46 @@ class Strategy:
         return getattr(self.module, "forward_backward", None)
 
 
+def plan_for(cfg: TrainConfig) -> Strategy:
+    """A fresh plan for the job ``cfg`` describes (``--strategy``), its state empty: build it once per
+    job and hand it on."""
+    return Strategy(cfg.strategy)
+
+
 @functools.cache
-def get(name: str) -> Strategy:
-    """The plan of ``--strategy=name`` (its module is imported here, once)."""
-    return Strategy(name)
+def _plain() -> Strategy:
+    """The plan of a model nobody wrapped here: ``single``'s, which keeps no state (never wraps)."""
+    return Strategy("single")
 
 
 def one_process() -> tuple[str, ...]:
     """The strategies that run in one process, without a process group (``NEEDS_PROCESS_GROUP = False``)."""
     from ddp_course.config import available_strategies
 
-    return tuple(name for name in available_strategies() if not get(name).needs_process_group)
+    return tuple(name for name in available_strategies() if not Strategy(name).needs_process_group)
 
 
 def wrap(model: nn.Module, info: DistInfo, cfg: TrainConfig) -> nn.Module:
-    """Apply ``cfg.strategy`` (``ddp_course.parallel.<strategy>.wrap``) to the model and record its plan."""
-    return get(cfg.strategy).wrap(model, info, cfg)
+    """Apply ``cfg.strategy`` (``ddp_course.parallel.<strategy>.wrap``) to the model with a fresh plan,
+    which :func:`strategy_of` finds from the wrapper."""
+    return plan_for(cfg).wrap(model, info, cfg)
 
 
 def record(model: nn.Module, name: str) -> nn.Module:
     """Note that ``model`` is strategy ``name``'s wrapper, built by hand (a lesson that calls
-    ``DistributedDataParallel(...)`` itself, then the course's ``train_step``); returns it."""
-    return get(name).note(model)
+    ``DistributedDataParallel(...)`` itself, then the course's ``train_step``), under a fresh plan;
+    returns it. A strategy whose hooks read what its ``wrap`` kept cannot be built by hand."""
+    plan = Strategy(name)
+    if takes_state(plan.module.wrap):
+        raise ConfigError(f"--strategy={name}'s wrap keeps what its other hooks need in its plan: a wrapper built "
+                          f"by hand would lack it. Wrap with parallel.wrap(model, info, cfg) (or a plan's wrap).")
+    return plan.note(model)
 
 
 def strategy_of(model: nn.Module) -> Strategy:
     """The plan that wrapped ``model`` (:func:`wrap`, :func:`record`; under ``torch.compile`` too), or
     the defaults (``single``) for a plain model."""
-    return _WRAPPED.get(model) or _WRAPPED.get(without_compile(model)) or get("single")
+    return _WRAPPED.get(model) or _WRAPPED.get(without_compile(model)) or _plain()
 
 
 # --- the plan of a wrapped model, as plain functions (what the training loop calls) ----------------
@@ -370,15 +413,7 @@ def unwrap(model: nn.Module) -> nn.Module:
     """The plain model inside the strategy's wrapper and ``torch.compile``'s (for saving, sampling).
 
     FSDP2 shards in place: the model is its own plain self, but its parameters are shards; use
-    :func:`gathered` for a copy with full parameters.
+    the plan's ``gathered`` for a copy with full parameters.
     """
     inner = without_compile(model)  # torch.compile(DDP(model)) as well as DDP(torch.compile(model))
     return strategy_of(inner).unwrap(inner)
-
-
-def gathered(model: nn.Module) -> nn.Module:
-    """The model with full parameters, for sampling: itself when replicated, a plain copy when sharded.
-
-    For FSDP this is a collective (the full parameters are all-gathered): every rank must call it.
-    """
-    return strategy_of(model).gathered(model)

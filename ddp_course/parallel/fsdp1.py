@@ -62,7 +62,7 @@ def sharding_strategy(info: DistInfo, cfg: TrainConfig) -> ShardingStrategy:
     return ShardingStrategy.FULL_SHARD if cfg.reshard_after_forward else ShardingStrategy.SHARD_GRAD_OP
 
 
-def wrap(model: nn.Module, info: DistInfo, cfg: TrainConfig) -> nn.Module:
+def wrap(model: nn.Module, info: DistInfo, cfg: TrainConfig, *, state: dict[str, Any]) -> nn.Module:
     """Wrap each transformer block, then the root, in FullyShardedDataParallel; returns the root wrapper."""
     strategy = sharding_strategy(info, cfg)  # refuse before any collective
     offload = fsdp.cpu_offload(info, cfg)
@@ -75,15 +75,15 @@ def wrap(model: nn.Module, info: DistInfo, cfg: TrainConfig) -> nn.Module:
                    device_mesh=fsdp.device_mesh(info, cfg) if hybrid else None, use_orig_params=True,
                    mixed_precision=mp, cpu_offload=CPUOffload(offload_params=True) if offload else None)
     # FSDP1 shows each parameter (the same object, use_orig_params) as a flat 1-D view of this rank's
-    # shard; the optimizer's weight-decay groups need the real number of dimensions: recorded here by
-    # the wrapper's parameter names, read by build_optimizer below.
-    wrapped.param_ndims = {name: ndims[id(p)] for name, p in wrapped.named_parameters()}
+    # shard; the optimizer's weight-decay groups need the real number of dimensions: kept in the plan's
+    # state by the wrapper's parameter names, read by build_optimizer below.
+    state["param_ndims"] = {name: ndims[id(p)] for name, p in wrapped.named_parameters()}
     return wrapped
 
 
-def build_optimizer(model: FSDP, cfg: Any, device: torch.device) -> torch.optim.AdamW:
+def build_optimizer(model: FSDP, cfg: Any, device: torch.device, *, state: dict[str, Any]) -> torch.optim.AdamW:
     """The course's AdamW, its weight-decay groups decided by the dimensions recorded before wrapping."""
-    return _optimizer.adamw(model, cfg, device, ndims=model.param_ndims)
+    return _optimizer.adamw(model, cfg, device, ndims=state["param_ndims"])
 
 
 def sync_context(model: FSDP, sync: bool) -> contextlib.AbstractContextManager:

@@ -81,8 +81,9 @@ def device_mesh(info: DistInfo, cfg: TrainConfig) -> DeviceMesh:
     return init_device_mesh(info.device.type, (dp, tp), mesh_dim_names=("dp", "tp"))
 
 
-def wrap(model: nn.Module, info: DistInfo, cfg: TrainConfig) -> nn.Module:
-    """Tensor (and sequence) parallel inside each block over ``tp``, then FSDP2 over ``dp``, in place."""
+def wrap(model: nn.Module, info: DistInfo, cfg: TrainConfig, *, state: dict[str, Any]) -> nn.Module:
+    """Tensor (and sequence) parallel inside each block over ``tp``, then FSDP2 over ``dp``, in place.
+    The plan's ``state`` keeps the tensor-parallel size: the state dicts need it to put the qkv rows back."""
     mesh = device_mesh(info, cfg)
     heads.quiet_sequential_redistribution()
     tp_plan.tensor_parallel(model, mesh["tp"], sequence_parallel=True)
@@ -90,7 +91,7 @@ def wrap(model: nn.Module, info: DistInfo, cfg: TrainConfig) -> nn.Module:
     for block in model.blocks:  # the order of lesson 09: each block one unit, then the root
         fully_shard(block, reshard_after_forward=cfg.reshard_after_forward, **options)
     fully_shard(model, reshard_after_forward=False, **options)
-    model._tp_size = mesh["tp"].size()  # what the state dicts need to put the qkv rows back
+    state["tp"] = mesh["tp"].size()
     return model
 
 
@@ -116,25 +117,27 @@ def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
     return total
 
 
-def state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, options: Any = None) -> tuple[dict, dict]:
+def state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, options: Any = None, *,
+               state: dict[str, Any]) -> tuple[dict, dict]:
     """DCP's state dicts, with the qkv rows (and their AdamW moments) in the model's own order."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
-    return _rows(model, model_sd, heads.natural_rows), _optim_rows(model, optim_sd, heads.natural_rows)
+    tp = state["tp"]
+    return _rows(model, model_sd, heads.natural_rows, tp), _optim_rows(model, optim_sd, heads.natural_rows, tp)
 
 
-def _rows(model: nn.Module, model_sd: dict, convert) -> dict:
-    return convert(model_sd, model.cfg.n_embd, model._tp_size)
+def _rows(model: nn.Module, model_sd: dict, convert, tp: int) -> dict:
+    return convert(model_sd, model.cfg.n_embd, tp)
 
 
-def _optim_rows(model: nn.Module, optim_sd: dict, convert) -> dict:
+def _optim_rows(model: nn.Module, optim_sd: dict, convert, tp: int) -> dict:
     """``optim_sd`` with ``convert`` applied to the moments of every qkv parameter (DCP keys the
     optimizer's state by parameter name). The same order on every rank: a DTensor's is a collective."""
     state = optim_sd.get("state")
     if not state:
         return optim_sd
-    n_embd, tp = model.cfg.n_embd, model._tp_size
+    n_embd = model.cfg.n_embd
     out = {}
     for name, per_param in state.items():
         if isinstance(name, str) and name.endswith(heads.QKV):
@@ -145,24 +148,24 @@ def _optim_rows(model: nn.Module, optim_sd: dict, convert) -> dict:
 
 
 def load_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, model_sd: dict, optim_sd: dict,
-                    options: Any = None) -> None:
+                    options: Any = None, *, state: dict[str, Any]) -> None:
     """The inverse of :func:`state_dict`: the qkv rows back in the tensor-parallel order, then DCP's."""
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
-    model_sd = _rows(model, model_sd, heads.tp_rows)
-    optim_sd = _optim_rows(model, optim_sd, heads.tp_rows)
+    model_sd = _rows(model, model_sd, heads.tp_rows, state["tp"])
+    optim_sd = _optim_rows(model, optim_sd, heads.tp_rows, state["tp"])
     set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd, options=options)
 
 
-def model_state_dict(model: nn.Module, options: Any = None) -> dict:
+def model_state_dict(model: nn.Module, options: Any = None, *, state: dict[str, Any]) -> dict:
     """The model's state dict alone (``final.pt``, fingerprints), the qkv rows in the model's own order."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    return _rows(model, get_model_state_dict(model, options=options), heads.natural_rows)
+    return _rows(model, get_model_state_dict(model, options=options), heads.natural_rows, state["tp"])
 
 
-def gathered(model: nn.Module) -> nn.Module:
+def gathered(model: nn.Module, *, state: dict[str, Any]) -> nn.Module:
     """A plain MiniGPT with the full parameters in the model's own order (a collective: every rank)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-    return fsdp.plain_copy(model, model_state_dict(model, StateDictOptions(full_state_dict=True)))
+    return fsdp.plain_copy(model, model_state_dict(model, StateDictOptions(full_state_dict=True), state=state))

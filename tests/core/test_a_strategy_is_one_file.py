@@ -48,7 +48,7 @@ except config.ConfigError as exc:
 else:
     raise AssertionError("--bucket_views=maybe was accepted")
 assert config.parse_cli(["--strategy=bucket_views", "--bucket_views"]).bucket_views is True
-parallel.check_module(parallel.get("bucket_views").module)
+parallel.check_module(parallel.Strategy("bucket_views").module)
 sys.exit(pytest.main(["-q", "-p", "no:cacheprovider", "--rootdir", {root!r},
                       {root!r} + "/tests/core/test_strategy_contract.py",
                       {root!r} + "/tests/core/test_every_strategy.py", "--collect-only" if {collect} else "-ra"]))

@@ -357,14 +357,64 @@ def test_no_strategy_behaviour_is_decided_by_probing_the_model(where):
     assert not found, f"{where} decides by the model's attributes: {found}; give the strategy a hook instead."
 
 
+def attribute_writes(source: str) -> list[str]:
+    """``line N: model.x = ...`` for each attribute set on a variable that holds a model (``setattr`` too)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        targets = (node.targets if isinstance(node, ast.Assign) else [node.target]
+                   if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else [])
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "setattr" and node.args:
+            targets = [ast.Attribute(value=node.args[0], attr="?")]
+        for target in targets:
+            if isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name) and target.value.id in MODEL_NAMES:
+                found.append(f"line {node.lineno}: {ast.unparse(node).splitlines()[0]}")
+    return found
+
+
+def test_the_write_scan_finds_state_parked_on_a_model():
+    assert attribute_writes("model._tp_size = 2\nwrapped.param_ndims: dict = {}\nsetattr(m, 'n', 1)\nself.x = 1") == [
+        "line 1: model._tp_size = 2", "line 2: wrapped.param_ndims: dict = {}", "line 3: setattr(m, 'n', 1)"]
+
+
+@pytest.mark.parametrize("path", sorted((PACKAGE / "parallel").glob("*.py")), ids=lambda p: p.name)
+def test_no_strategy_keeps_its_state_on_the_model(path):
+    """What a strategy learns while wrapping and needs later (FSDP x TP's tensor-parallel size, FSDP1's
+    parameter dimensions) is kept by its plan (a hook's keyword-only ``state``), never set on the model:
+    a model carries no job's state, and the plan is the one object a job builds and hands on."""
+    found = attribute_writes(path.read_text(encoding="utf-8"))
+    assert not found, f"ddp_course/parallel/{path.name} sets attributes on a model: {found}; keep them in the plan's state."
+
+
+def test_a_plan_is_one_jobs_and_wraps_one_model():
+    """``parallel.plan_for`` builds a fresh plan per job, with a state of its own; the plan that wrapped a
+    model is the one ``strategy_of`` finds, and it refuses to wrap a second model."""
+    import torch.nn as nn
+
+    from ddp_course import parallel
+    from ddp_course.config import TrainConfig
+    from ddp_course.dist import DistInfo
+
+    cfg = TrainConfig(strategy="single")
+    plan, other = parallel.plan_for(cfg), parallel.plan_for(cfg)
+    assert plan is not other and plan.state is not other.state
+    model = plan.wrap(nn.Linear(2, 2), DistInfo(), cfg)
+    assert parallel.strategy_of(model) is plan
+    with pytest.raises(RuntimeError, match=r"has wrapped a model already: a plan is one job's"):
+        plan.wrap(nn.Linear(2, 2), DistInfo(), cfg)
+
+
 def test_checkpoint_is_handed_its_plan_and_never_looks_it_up():
-    """The training job holds its strategy and hands it to ``checkpoint`` (``plan=``): checkpoint does not
-    import ``parallel``, so it cannot climb back into it (``test_every_strategy`` shows the job never
-    looks its plan up again)."""
+    """The training job holds its strategy and hands it to ``checkpoint`` (``plan=``, required wherever it
+    is taken: no default to fall back on): checkpoint does not import ``parallel``, so it cannot climb
+    back into it (``test_every_strategy`` shows the job never looks its plan up again)."""
     tree = ast.parse((PACKAGE / "checkpoint.py").read_text(encoding="utf-8"))
     imported = [ast.unparse(n) for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))
                 and "parallel" in ast.unparse(n)]
     assert imported == [], imported
+    taking = {f.name: default for f in ast.walk(tree) if isinstance(f, ast.FunctionDef) and f.name[0] != "_"
+              for arg, default in zip(f.args.kwonlyargs, f.args.kw_defaults) if arg.arg == "plan"}
+    assert {"save", "save_final", "restore", "resume", "fingerprint"} <= taking.keys(), taking
+    assert [name for name, default in taking.items() if default is not None] == []
 
 
 # --- the grading harness: split by concern, and nothing in the package runs a file by its path -------------

@@ -62,7 +62,7 @@ def test_ddp_without_torchrun_is_one_error_line(tmp_path):
     assert "needs a process group" in line and "torchrun --standalone --nproc_per_node=2" in line
 
 
-@pytest.mark.parametrize("strategy", [n for n in available_strategies() if parallel.get(n).needs_process_group])
+@pytest.mark.parametrize("strategy", [n for n in available_strategies() if parallel.Strategy(n).needs_process_group])
 def test_check_launch_and_wrap_refuse_a_group_strategy_in_one_plain_process_alike(strategy, no_torchrun, tmp_path):
     """One refusal (``Strategy.refusal``), whoever asks: the launch check before anything is built, or
     the strategy's wrap called by hand."""

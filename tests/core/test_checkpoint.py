@@ -111,35 +111,30 @@ def _fresh(shape: dict, seed: int = 1):
     return model, build_optimizer(model, TrainConfig(), torch.device("cpu"))
 
 
-def test_a_model_whose_strategy_reads_its_own_states_is_refused_without_its_plan(tmp_path):
-    """ZeRO-1 and FSDP x TP read their states with hooks of their own; checkpoint's default (PyTorch's
-    state dicts) would save or hash such a model otherwise (ZeRO-1's optimizer state left out), so a
-    model they wrapped is refused without ``plan=``, before anything is written. ZeRO-1's hooks, on a
-    stand-in wrapper that needs no process group."""
-    import types
-
+def test_every_checkpoint_function_that_touches_states_requires_the_plan(tmp_path):
+    """How a model's and optimizer's states are read is its strategy's (ZeRO-1 and FSDP x TP bring their own;
+    FSDP x TP's need what its wrap kept in the plan), and checkpoint keeps no table of models to guess it
+    from: ``plan=`` is required, and a call without it fails before anything is read or written."""
     from ddp_course import parallel
 
-    zero1 = parallel.Strategy("zero1")  # a plan of its own, not the one parallel.get caches
-    zero1.module = types.SimpleNamespace(**{**vars(zero1.module), "NEEDS_PROCESS_GROUP": False,
-                                            "wrap": lambda model, info, cfg: model})
     model, opt = _fresh(SHAPE)
-    model = zero1.wrap(model, DistInfo(), TrainConfig())
-    refused = r"wrapped by --strategy=zero1.*plan=ddp_course\.parallel\.get\('zero1'\)"
+    missing = r"missing 1 required keyword-only argument: 'plan'"
     for call in (lambda: checkpoint.fingerprint(model, opt),
-                 lambda: checkpoint.save(tmp_path, 1, model, opt, None, DistInfo(), SHAPE),
-                 lambda: checkpoint.save_final(tmp_path, 1, model, DistInfo())):
-        with pytest.raises(CheckpointError, match=refused):
+                 lambda: checkpoint.save(tmp_path, 1, model, opt, None, ONE, SHAPE),
+                 lambda: checkpoint.save_final(tmp_path, 1, model, ONE),
+                 lambda: checkpoint.resume(tmp_path, model, opt, None, ONE, SHAPE),
+                 lambda: checkpoint.restore({}, model, opt, None, ONE)):
+        with pytest.raises(TypeError, match=missing):
             call()
     assert not any(tmp_path.iterdir())  # refused before a byte was written
-    plain, _ = _fresh(SHAPE)
-    assert checkpoint.fingerprint(plain) == checkpoint.fingerprint(model, plan=parallel.get("single"))
+    assert checkpoint.fingerprint(model, opt, plan=parallel.Strategy("single")) == checkpoint.fingerprint(
+        model, opt, plan=checkpoint.DCP)  # a plain model's plan keeps PyTorch's state dicts
 
 
 def _load_one_process(path: Path):
     shape = checkpoint.load(path)["shape"]
     model, opt = _fresh(shape)
-    meta = checkpoint.resume(path, model, opt, None, ONE, shape)
+    meta = checkpoint.resume(path, model, opt, None, ONE, shape, plan=checkpoint.DCP)
     return model, opt, meta
 
 
@@ -161,7 +156,8 @@ def test_two_rank_checkpoints_load_into_one_process(runs):
     assert torch.equal(torch.get_rng_state(), saved["rng"][0]["torch"])  # rank 0's generator
     # the sharded run reached step 40 along the same path: its checkpoint holds the same state
     model_s, opt_s, _ = _load_one_process(sharded)
-    assert checkpoint.fingerprint(model_s, opt_s) == checkpoint.fingerprint(model, opt)
+    assert (checkpoint.fingerprint(model_s, opt_s, plan=checkpoint.DCP)
+            == checkpoint.fingerprint(model, opt, plan=checkpoint.DCP))
 
 
 @pytest.mark.parametrize(("saved_world", "saved_micro", "world", "micro"), [(2, 4, 4, 2), (2, 4, 1, 8), (4, 2, 2, 4)])
@@ -200,14 +196,14 @@ def test_round_trip_restores_everything(tmp_path, fmt, one_thread):
     random.seed(11)
     torch.manual_seed(12)
     pos = checkpoint.data_position(5, micro_batch_size=4, grad_accum_steps=2, world_size=1, batches_per_epoch=3)
-    checkpoint.save(tmp_path, 5, model, opt, scaler, ONE, SHAPE, fmt=fmt, position=pos)
-    want = checkpoint.fingerprint(model, opt), random.random(), torch.rand(3)
+    checkpoint.save(tmp_path, 5, model, opt, scaler, ONE, SHAPE, fmt=fmt, position=pos, plan=checkpoint.DCP)
+    want = checkpoint.fingerprint(model, opt, plan=checkpoint.DCP), random.random(), torch.rand(3)
 
     model2, opt2 = _fresh(SHAPE, seed=99)
     scaler2 = torch.amp.GradScaler("cpu")
-    assert checkpoint.fingerprint(model2, opt2) != want[0]
-    meta = checkpoint.resume(checkpoint.latest(tmp_path), model2, opt2, scaler2, ONE, SHAPE)
-    assert (checkpoint.fingerprint(model2, opt2), random.random()) == want[:2]
+    assert checkpoint.fingerprint(model2, opt2, plan=checkpoint.DCP) != want[0]
+    meta = checkpoint.resume(checkpoint.latest(tmp_path), model2, opt2, scaler2, ONE, SHAPE, plan=checkpoint.DCP)
+    assert (checkpoint.fingerprint(model2, opt2, plan=checkpoint.DCP), random.random()) == want[:2]
     assert torch.equal(torch.rand(3), want[2])
     assert scaler2.state_dict() == scaler.state_dict() and scaler2.get_scale() == 256.0
     assert meta["step"] == 5 and meta["position"] == {"samples": 40, "micro_batches": 10, "epoch": 3,
@@ -222,12 +218,12 @@ def test_pointer_keep_last_and_leftovers(tmp_path, fmt, one_thread):
     assert checkpoint.latest(tmp_path) is None
     d = checkpoint.ckpt_dir(tmp_path)
     for step in (1, 2, 3):
-        checkpoint.save(tmp_path, step, model, opt, None, ONE, SHAPE, keep_last=2, fmt=fmt)
+        checkpoint.save(tmp_path, step, model, opt, None, ONE, SHAPE, keep_last=2, fmt=fmt, plan=checkpoint.DCP)
     assert [p.name for p in checkpoint.list_checkpoints(tmp_path)] == [
         checkpoint.checkpoint_path(tmp_path, s, fmt).name for s in (2, 3)]
     assert checkpoint.latest(tmp_path) == checkpoint.checkpoint_path(tmp_path, 3, fmt)
     (d / "step_0000009.pt.tmp").write_bytes(b"half a file")  # what a killed save leaves behind
-    checkpoint.save(tmp_path, 4, model, opt, None, ONE, SHAPE, keep_last=2, fmt=fmt)
+    checkpoint.save(tmp_path, 4, model, opt, None, ONE, SHAPE, keep_last=2, fmt=fmt, plan=checkpoint.DCP)
     assert not (d / "step_0000009.pt.tmp").exists()
     assert sorted(p.name for p in d.iterdir()) == sorted(
         [checkpoint.POINTER] + [checkpoint.checkpoint_path(tmp_path, s, fmt).name for s in (3, 4)])
@@ -247,16 +243,16 @@ def _error(fn) -> str:
 @pytest.mark.parametrize("fmt", checkpoint.FORMATS)
 def test_other_model_shape_is_named(tmp_path, fmt, one_thread):
     model, opt = _trained()
-    path = checkpoint.save(tmp_path, 1, model, opt, None, ONE, SHAPE, fmt=fmt)
+    path = checkpoint.save(tmp_path, 1, model, opt, None, ONE, SHAPE, fmt=fmt, plan=checkpoint.DCP)
     other = {**SHAPE, "n_embd": 64}
     model2, opt2 = _fresh(other)
-    msg = _error(lambda: checkpoint.resume(path, model2, opt2, None, ONE, other))
+    msg = _error(lambda: checkpoint.resume(path, model2, opt2, None, ONE, other, plan=checkpoint.DCP))
     assert str(path) in msg and "n_embd: checkpoint 32 vs this run 64" in msg
 
 
 def test_truncated_or_foreign_full_file_is_refused(tmp_path, one_thread):
     model, opt = _trained()
-    path = checkpoint.save(tmp_path, 1, model, opt, None, ONE, SHAPE)
+    path = checkpoint.save(tmp_path, 1, model, opt, None, ONE, SHAPE, plan=checkpoint.DCP)
     data = path.read_bytes()
     path.write_bytes(data[: len(data) // 3])
     msg = _error(lambda: checkpoint.load(path))
@@ -271,13 +267,13 @@ def test_truncated_or_foreign_full_file_is_refused(tmp_path, one_thread):
 
 def test_damaged_sharded_checkpoint_is_named(tmp_path, one_thread):
     model, opt = _trained()
-    path = checkpoint.save(tmp_path, 1, model, opt, None, ONE, SHAPE, fmt="sharded")
+    path = checkpoint.save(tmp_path, 1, model, opt, None, ONE, SHAPE, fmt="sharded", plan=checkpoint.DCP)
     part = path / "__0_0.distcp"
     data = part.read_bytes()
 
     def attempt() -> str:
         model2, opt2 = _fresh(SHAPE)
-        return _error(lambda: checkpoint.resume(path, model2, opt2, None, ONE, SHAPE))
+        return _error(lambda: checkpoint.resume(path, model2, opt2, None, ONE, SHAPE, plan=checkpoint.DCP))
 
     part.write_bytes(data[:1000])
     msg = attempt()
@@ -319,12 +315,12 @@ def test_cuda_state_round_trip(tmp_path, fmt):
     model(x, x)[1].backward()
     opt.step()
     torch.cuda.manual_seed(5)
-    checkpoint.save(tmp_path, 1, model, opt, None, gpu, SHAPE, fmt=fmt)
-    want, draw = checkpoint.fingerprint(model, opt), torch.rand(4, device=gpu.device)
+    checkpoint.save(tmp_path, 1, model, opt, None, gpu, SHAPE, fmt=fmt, plan=checkpoint.DCP)
+    want, draw = checkpoint.fingerprint(model, opt, plan=checkpoint.DCP), torch.rand(4, device=gpu.device)
     assert "cuda" in checkpoint.load(checkpoint.latest(tmp_path))["rng"][0]  # (a sharded folder: its meta.pt)
     model2, _ = _fresh(SHAPE, seed=3)
     model2.cuda()
     opt2 = build_optimizer(model2, TrainConfig(), gpu.device)
-    checkpoint.resume(checkpoint.latest(tmp_path), model2, opt2, None, gpu, SHAPE)
-    assert next(model2.parameters()).is_cuda and checkpoint.fingerprint(model2, opt2) == want
+    checkpoint.resume(checkpoint.latest(tmp_path), model2, opt2, None, gpu, SHAPE, plan=checkpoint.DCP)
+    assert next(model2.parameters()).is_cuda and checkpoint.fingerprint(model2, opt2, plan=checkpoint.DCP) == want
     assert torch.equal(torch.rand(4, device=gpu.device), draw)

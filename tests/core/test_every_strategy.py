@@ -46,8 +46,8 @@ RUN = {**TINY, "max_steps": STEPS, "ckpt_interval": CKPT, "log_interval": 1, "ev
        "dropout": 0.1, "lr": 3e-3, "keep_last": STEPS, "sample_tokens": 8}
 # the values of its own options a strategy needs to run on 2 ranks: its file's TWO_RANKS
 OPTIONS = {name: config.strategy_constant(name, "TWO_RANKS", {}) for name in available_strategies()}
-GROUP = [n for n in available_strategies() if parallel.get(n).needs_process_group]
-ALONE = [n for n in available_strategies() if not parallel.get(n).needs_process_group]
+GROUP = [n for n in available_strategies() if parallel.Strategy(n).needs_process_group]
+ALONE = [n for n in available_strategies() if not parallel.Strategy(n).needs_process_group]
 
 
 def _cfg(name: str, fmt: str, out: Path, resume: bool) -> TrainConfig:

@@ -61,7 +61,7 @@ def test_a_one_process_strategy_refuses_several_ranks_in_one_place(name, monkeyp
     monkeypatch.setattr(dp, "cuda_gpus", lambda: 2)  # dp would otherwise stop first, at the missing GPUs
     with pytest.raises(ConfigError, match=rf"--strategy={name} runs in one process, but this job has 2 ranks: "
                                           r"every rank would train a model of its own.*nproc=1\)\), or use --strategy=ddp"):
-        parallel.get(name).wrap(nn.Linear(2, 2), DistInfo(world_size=2, **GLOO), TrainConfig(strategy=name))
+        parallel.Strategy(name).wrap(nn.Linear(2, 2), DistInfo(world_size=2, **GLOO), TrainConfig(strategy=name))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the wrapper's own code on the no-CUDA path")
@@ -102,7 +102,7 @@ def test_cpu_offload_on_a_cpu_job_is_refused_in_one_place():
     info, model = DistInfo(world_size=2, **GLOO), nn.Linear(2, 2)
     cfg = TrainConfig(strategy="fsdp1", fsdp_cpu_offload=True)
     refused = r"--fsdp_cpu_offload moves the sharded parameters.*drop --fsdp_cpu_offload, or run on GPUs"
-    for call in (lambda: fsdp.offload_policy(info, cfg), lambda: fsdp1.wrap(model, info, cfg)):
+    for call in (lambda: fsdp.offload_policy(info, cfg), lambda: fsdp1.wrap(model, info, cfg, state={})):
         with pytest.raises(ConfigError, match=refused):
             call()
 

@@ -26,7 +26,7 @@ def _module(source: str) -> types.ModuleType:
 
 def test_every_strategy_of_the_course_keeps_the_contract():
     for name in available_strategies():
-        parallel.check_module(parallel.get(name).module)
+        parallel.check_module(parallel.Strategy(name).module)
 
 
 # Each probe is a strategy module that would have run with the default hook, or a hook called with
@@ -62,6 +62,10 @@ PROBES = {
     "a hook defined with other arguments": (
         "def sync_context(model):\n    return None\n",
         r"the hook sync_context \(a function\) takes 1 argument\(s\); the contract .* calls it with 2"),
+    "a hook that requires a keyword other than state": (
+        "def sync_context(model, sync, *, plan):\n    return None\n",
+        r"the hook sync_context \(a function\) takes arguments that cannot be counted \(\*args, a keyword it requires "
+        r"other than state"),
     "a misspelt constant": (
         "NEEDS_PROCESS_GROUPS = False\n", r"defines NEEDS_PROCESS_GROUPS \(a bool\).*did you mean NEEDS_PROCESS_GROUP\?"),
     "a constant of the wrong type (a string, not a dict of options)": (
@@ -107,6 +111,9 @@ def test_declared_helpers_aliased_hooks_constants_modules_and_classes_are_allowe
         def layout(info, cfg):
             return 1, 1
 
+        def build_optimizer(model, cfg, device, *, state):  # the plan's per-job state, by keyword
+            return state["optimizer"]
+
         class Wrapper(DDP):
             pass
         """))
@@ -120,7 +127,7 @@ def _reads(module) -> set[str]:
     source = inspect.getsource(module)
     found = set(re.findall(r"\bcfg\.(\w+)", source))
     for other in available_strategies():
-        theirs = parallel.get(other).module
+        theirs = parallel.Strategy(other).module
         if theirs is module:
             continue
         used = set(re.findall(rf"\b{other}\.(\w+)\(", source))
@@ -148,7 +155,7 @@ def test_every_strategy_declares_the_options_it_reads_and_only_real_ones():
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
     assert owned and set(owned) <= fields, set(owned) - fields
     for name in available_strategies():
-        module = parallel.get(name).module
+        module = parallel.Strategy(name).module
         declared = tuple(getattr(module, "OPTIONS", ()))
         assert config.strategy_summary(name)[1] == declared, name  # what --help reads is what the module says
         missing = (_reads(module) & set(owned)) - set(declared)
@@ -156,8 +163,8 @@ def test_every_strategy_declares_the_options_it_reads_and_only_real_ones():
 
 
 def test_the_scan_sees_an_option_read_through_another_strategys_function():
-    assert "fsdp_mixed_precision" in _reads(parallel.get("fsdp_tp").module)  # fsdp.mp_policy(cfg)
-    assert {"bucket_cap_mb", "comm_hook"} <= _reads(parallel.get("zero1").module)  # ddp.wrap(model, info, cfg)
+    assert "fsdp_mixed_precision" in _reads(parallel.Strategy("fsdp_tp").module)  # fsdp.mp_policy(cfg)
+    assert {"bucket_cap_mb", "comm_hook"} <= _reads(parallel.Strategy("zero1").module)  # ddp.wrap(model, info, cfg)
 
 
 def test_help_lists_every_strategy_with_its_options_in_one_column():
@@ -165,7 +172,7 @@ def test_help_lists_every_strategy_with_its_options_in_one_column():
     section = text.split("strategies (--strategy=NAME)")[1].splitlines()[1:]
     for name in available_strategies():
         at = next(i for i, line in enumerate(section) if line.split()[0] == name)
-        declared = getattr(parallel.get(name).module, "OPTIONS", ())
+        declared = getattr(parallel.Strategy(name).module, "OPTIONS", ())
         own = [line.split("=")[0].strip() for line in section[at + 1:at + 1 + len(declared)]]
         assert own == [f"--{o}" for o in declared], (name, own)
     options = text.split("\noptions:\n")[1].split("\n\n")[0].splitlines()

@@ -50,7 +50,7 @@ def _fresh(shape: dict, seed: int = 1):
 def _load_one_process(path: Path):
     shape = checkpoint.load(path)["shape"]
     model, opt = _fresh(shape)
-    checkpoint.resume(path, model, opt, None, ONE, shape)
+    checkpoint.resume(path, model, opt, None, ONE, shape, plan=checkpoint.DCP)
     return model, opt
 
 
@@ -71,7 +71,7 @@ def runs(tmp_path_factory) -> dict:
 def test_two_rank_checkpoints_load_into_four_ranks(runs, tmp_path):
     full = checkpoint.checkpoint_path(runs["reference"].out_dir, CKPT, "full")
     sharded = checkpoint.checkpoint_path(runs["sharded"].out_dir, CKPT, "sharded")
-    want = checkpoint.fingerprint(*_load_one_process(full))
+    want = checkpoint.fingerprint(*_load_one_process(full), plan=checkpoint.DCP)
     # lesson 08 reloads the same two checkpoints of its runs into 4 ranks, naming them from its folder
     nb = notebook_runs.folder(".")
     job = nb and notebook_runs.reuse("runs/08_reshard", RESHARD, 4,
@@ -127,8 +127,8 @@ def test_sigkill_during_a_save_leaves_the_previous_checkpoint(killed, fmt):
     assert checkpoint.latest(out_dir) == checkpoint.checkpoint_path(out_dir, 1, fmt)
     assert [p.name for p in checkpoint.list_checkpoints(out_dir)] == [checkpoint.checkpoint_path(out_dir, 1, fmt).name]
     model, opt = _fresh(checkpoint.load(checkpoint.latest(out_dir))["shape"])
-    meta = checkpoint.resume(checkpoint.latest(out_dir), model, opt, None, ONE)
-    assert meta["step"] == 1 and checkpoint.fingerprint(model, opt) == report["fingerprint"]
+    meta = checkpoint.resume(checkpoint.latest(out_dir), model, opt, None, ONE, plan=checkpoint.DCP)
+    assert meta["step"] == 1 and checkpoint.fingerprint(model, opt, plan=checkpoint.DCP) == report["fingerprint"]
     # the next save clears the leftover and commits normally
-    checkpoint.save(out_dir, 3, model, opt, None, ONE, meta["shape"], fmt=fmt)
+    checkpoint.save(out_dir, 3, model, opt, None, ONE, meta["shape"], fmt=fmt, plan=checkpoint.DCP)
     assert not half.exists() and checkpoint.latest(out_dir).name == checkpoint.checkpoint_path(out_dir, 3, fmt).name

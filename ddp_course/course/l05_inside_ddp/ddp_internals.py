@@ -376,7 +376,7 @@ HOOK_NAMES = ("none", "fp16", "bf16", "int8")
 def _hooked_ddp(model: nn.Module, info: DistInfo, name: str, cap: float) -> DDP:
     """DDP through the course's wrap (none / fp16 / bf16 are --comm_hook values); int8 registered here."""
     cfg = SimpleNamespace(**vars(_cfg(bucket_cap_mb=cap)), comm_hook="none" if name == "int8" else name)
-    ddp = parallel.get("ddp").wrap(model, info, cfg)
+    ddp = parallel.Strategy("ddp").wrap(model, info, cfg)
     if name == "int8":
         ddp.register_comm_hook(None, ddp_strategy.int8_hook)
     return ddp

@@ -66,7 +66,7 @@ def main(argv: list[str]) -> int:
         return 0
     precisions, rest = split_precisions(argv)
     cfg = parse_cli(rest)
-    if parallel.get(cfg.strategy).needs_process_group:
+    if parallel.plan_for(cfg).needs_process_group:
         raise FlagError(f"{PROG}: --strategy={cfg.strategy} needs a process group; this program runs one-process "
                         f"strategies ({', '.join(parallel.one_process())}). Under DDP, launch ddp_course.train once per precision.")
     for p in precisions:

@@ -82,7 +82,8 @@ def main(argv: list[str]) -> int:
         cfg = TrainConfig(strategy="ddp" if info.is_distributed else "single", n_layer=SHAPE["n_layer"],
                           n_head=SHAPE["n_head"], n_embd=SHAPE["n_embd"], block_size=SHAPE["block_size"])
         seed_everything(0)
-        model = parallel.wrap(MiniGPT(GPTConfig(**SHAPE)).to(info.device), info, cfg)
+        plan = parallel.plan_for(cfg)
+        model = plan.wrap(MiniGPT(GPTConfig(**SHAPE)).to(info.device), info, cfg)
         optimizer = build_optimizer(model, cfg, info.device)
         g = torch.Generator().manual_seed(100 + info.rank)
 
@@ -92,8 +93,8 @@ def main(argv: list[str]) -> int:
                        grad_clip=1.0)
 
         step()
-        path1 = checkpoint.save(out_dir, 1, model, optimizer, None, info, SHAPE, keep_last=2, fmt=fmt)
-        fp1 = checkpoint.fingerprint(model, optimizer)
+        path1 = checkpoint.save(out_dir, 1, model, optimizer, None, info, SHAPE, keep_last=2, fmt=fmt, plan=plan)
+        fp1 = checkpoint.fingerprint(model, optimizer, plan=plan)
         step()
         where = arm_kill(fmt) if info.is_main else ""
         if info.is_main:
@@ -103,7 +104,7 @@ def main(argv: list[str]) -> int:
             write_json(out_dir / "ckpt_kill.json", report)
             log(f"saved checkpoint 1 ({path1.name}, fingerprint {fp1}); saving checkpoint 2 and killing rank 0 "
                 f"with SIGKILL when {where}")
-        checkpoint.save(out_dir, 2, model, optimizer, None, info, SHAPE, keep_last=2, fmt=fmt)
+        checkpoint.save(out_dir, 2, model, optimizer, None, info, SHAPE, keep_last=2, fmt=fmt, plan=plan)
     log("error: the save completed, so the kill did not happen; nothing was shown")
     return 1
 

@@ -42,12 +42,13 @@ def load_into_new_job(path: str | Path, info) -> dict[str, Any]:
     shape = meta["shape"]
     cfg = TrainConfig(strategy="ddp" if info.is_distributed else "single", block_size=shape["block_size"],
                       n_layer=shape["n_layer"], n_head=shape["n_head"], n_embd=shape["n_embd"])
-    model = parallel.wrap(MiniGPT(GPTConfig(**shape)).to(info.device), info, cfg)
+    plan = parallel.plan_for(cfg)
+    model = plan.wrap(MiniGPT(GPTConfig(**shape)).to(info.device), info, cfg)
     optimizer = build_optimizer(model, cfg, info.device)
-    meta = checkpoint.resume(path, model, optimizer, None, info, shape)
+    meta = checkpoint.resume(path, model, optimizer, None, info, shape, plan=plan)
     step, saved_ws = int(meta["step"]), int(meta["world_size"])
     row = {"path": str(path), "format": checkpoint.format_of(path), "saved_world_size": saved_ws, "step": step,
-           "fingerprint": checkpoint.fingerprint(model, optimizer),
+           "fingerprint": checkpoint.fingerprint(model, optimizer, plan=plan),
            "rng_from_rank": info.rank if info.rank < saved_ws else 0}
     pos = meta.get("position")
     if pos and step:
