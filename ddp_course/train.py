@@ -517,12 +517,15 @@ def main(cfg: TrainConfig) -> dict[str, Any]:
         return run_training(cfg, info)
 
 
+REFUSAL_WAIT_S = 30.0  # how long a rank other than 0 waits, after refusing, for rank 0 to print the refusal
+
+
 @record  # on failure, torchrun's error file carries this rank's traceback
 def cli(argv: list[str] | None = None) -> None:
     """``python -m ddp_course.train``: parse the flags, train; bad input is one ``error:`` paragraph and exit 2.
 
     Under torchrun the refusal is printed once (rank 0) and every rank exits 2 before joining the process
-    group. torchrun itself then reports the failed workers (a log line, its own ChildFailedError traceback
+    group (the other ranks only once rank 0 has: see ``REFUSAL_WAIT_S``). torchrun itself then reports the failed workers (a log line, its own ChildFailedError traceback
     and a summary, exit code 1): its process does so for any non-zero exit of a worker, and nothing a
     worker does changes that short of exiting 0. (Writing the refusal into the worker's error file only
     swaps the summary's "To enable traceback see: <link>" for the refusal, twice, and adds a log line.)
@@ -536,7 +539,14 @@ def cli(argv: list[str] | None = None) -> None:
         main(cfg)
     except (ConfigError, DeviceError, CorpusError, checkpoint.CheckpointError) as exc:
         # a clear one-paragraph message instead of a traceback: the fix is in the message
-        if int(os.environ.get("RANK", 0)) == 0:
+        if int(os.environ.get("RANK", 0)) != 0 and launched_by_torchrun():
+            # Rank 0 prints it. A rank that exited first would have torchrun stop rank 0 before rank 0
+            # got there (measured: rank 0 starting 3 s after rank 1, as on a loaded machine, and no
+            # line at all): wait until torchrun stops this rank, rank 0 having exited; a refusal of
+            # this rank alone, which rank 0 never prints, is printed here after the wait.
+            time.sleep(REFUSAL_WAIT_S)
+            print(f"error (rank {os.environ['RANK']}): {exc}", file=sys.stderr, flush=True)
+        else:
             print(f"error: {exc}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
 

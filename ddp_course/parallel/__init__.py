@@ -347,7 +347,8 @@ class Strategy:
     def forward_backward(self) -> Callable[..., torch.Tensor] | None:
         """The strategy's own forwards and backwards of a step (a pipeline schedule), or None: the
         training loop's (``train.train_step``)."""
-        return getattr(self.module, "forward_backward", None)
+        hook = getattr(self.module, "forward_backward", None)
+        return None if hook is None else self._hook("forward_backward", hook)
 
 
 def plan_for(cfg: TrainConfig) -> Strategy:

@@ -134,7 +134,7 @@ class PipelineModel(nn.Module):
         rank = dist.get_rank()
         stride = self.dp * self.tp  # the ranks of neighbouring stages with this rank's (d, t)
         self.index, self.prev, self.next = rank // stride, rank - stride, rank + stride
-        self.pp_group, self.tied_group = mesh["pp"].get_group(), tied
+        self.mesh, self.pp_group, self.tied_group = mesh, mesh["pp"].get_group(), tied
         self.seq = stage.cfg.block_size // self.tp if self.tp > 1 else stage.cfg.block_size
 
     def activations(self, rows: int, seq: int, device: torch.device) -> torch.Tensor:

@@ -190,6 +190,26 @@ def test_torchrun_refusal_is_one_line_and_no_rank_crashes(tmp_path):
     assert proc.returncode == 1  # torchrun's exit code for any failed worker
 
 
+SLOW_RANK_0 = """import os, time
+if os.environ.get("RANK") == "0":
+    time.sleep(3.0)  # rank 0 starts 3 s after the others, as on a loaded machine
+from ddp_course.train import cli
+cli()
+"""
+
+
+@pytest.mark.timeout(120)
+def test_the_refusal_is_printed_when_rank_0_starts_last(tmp_path):
+    """Every rank refuses; only rank 0 prints. A rank that exited first let torchrun stop rank 0 before it
+    printed (no line at all, measured with rank 0 starting 3 s late): the others wait for it."""
+    (tmp_path / "slow_rank_0.py").write_text(SLOW_RANK_0)
+    proc = torchrun("slow_rank_0", 2, ["--strategy=single", *TINY_ARGS, f"--out_dir={tmp_path / 'out'}"],
+                    timeout=120, check=False, env={"PYTHONPATH": str(tmp_path)})
+    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error")]
+    assert errors == [errors[0]] and errors[0].startswith("error: --strategy=single runs in one process"), proc.stderr
+    assert "exitcode  : 1 " not in proc.stderr and proc.returncode == 1, proc.stderr
+
+
 # --- 6. more processes than cores: a warning, not a refusal ------------------------------------------------
 
 def test_oversubscription_warning_says_what_it_costs():

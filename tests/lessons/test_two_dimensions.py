@@ -224,36 +224,53 @@ def three(tmp_path_factory):
 
 
 @pytest.mark.timeout(400)
-def test_pipeline_over_fsdp_over_tensor_parallel_trains_like_one_process(three):
-    """8 ranks as 2 x 2 x 2: every rank's stage (its gradients at the first step, its weights after the
-    last) and the last stage's losses against one process, within the 2-D lab's tolerances."""
-    tol = three["tolerances"]
-    assert (three["pp"], three["dp"], three["tp"]) == (2, 2, 2) and three["matches"]
-    assert three["losses"] == pytest.approx(three["reference_losses"], rel=tol["loss_rtol"])
-    for r in three["per_rank"]:
+@pytest.mark.parametrize("variant", ["by_hand", "strategy"])
+def test_pipeline_over_fsdp_over_tensor_parallel_trains_like_one_process(three, variant):
+    """8 ranks as 2 x 2 x 2, by hand and as --strategy=pipeline: every rank's stage (its gradients at the
+    first step, its weights after the last) and the last stage's losses against one process, and the
+    stages together cover every parameter of the model (the tied matrix on both end stages)."""
+    tol, v = three["tolerances"], three["variants"][variant]
+    assert (three["pp"], three["dp"], three["tp"]) == (2, 2, 2) and v["matches"] and v["covers_every_parameter"]
+    assert v["losses"] == pytest.approx(three["reference_losses"], rel=tol["loss_rtol"])
+    for r in v["per_rank"]:
         assert r["grad_rel_err"] <= tol["grad_rtol"] and r["update_rel_diff"] <= tol["update_rtol"], r["rank"]
-    # rank (s * dp + d) * tp + t, every stage's blocks once, the embeddings first and the head last
-    for r in three["per_rank"]:
-        c = r["coords"]
+        c = r["coords"]  # rank (s * dp + d) * tp + t; the embeddings first and the head last
         assert r["rank"] == (c["pp"] * three["dp"] + c["dp"]) * three["tp"] + c["tp"]
         assert (r["first"], r["last"]) == (c["pp"] == 0, c["pp"] == three["pp"] - 1)
-    blocks = sorted({tuple(r["blocks"]) for r in three["per_rank"]})
-    assert blocks == [(0, 2), (2, 4)]
-    # every parameter of the whole model is compared somewhere (the tied matrix on both end stages)
-    names = set().union(*(r["params"] for r in three["per_rank"]))
-    assert "tok_emb.weight" in names and any(n.startswith("blocks.3.") for n in names) and "ln_f.weight" in names
+        # a later stage receives its tensor-parallel rank's slice of the sequence
+        assert r["received"] == (None if r["first"] else [2, three["options"]["block_size"] // three["tp"], 64])
+    assert sorted({tuple(r["blocks"]) for r in v["per_rank"]}) == [(0, 2), (2, 4)]
+
+
+def test_the_parity_check_notices_a_stage_that_leaves_a_parameter_out():
+    from ddp_course.course.l13_two_dimensions.three_d_lab import summary
+
+    def rank(params, first=False, last=False):
+        return {"params": params, "first": first, "last": last, "ok": True, "seconds": [0.1], "losses": [1.0],
+                "loss_rel_diff": 0.0, "grad_rel_err": 0.0, "update_rel_diff": 0.0}
+
+    names = ["blocks.0.w", "blocks.1.w", "tok_emb.weight"]
+    whole = [rank(["blocks.0.w", "tok_emb.weight"], first=True), rank(["blocks.1.w", "tok_emb.weight"], last=True)]
+    assert summary(whole, names)["matches"]
+    missing = [rank(["tok_emb.weight"], first=True), rank(["blocks.1.w", "tok_emb.weight"], last=True)]
+    untied = [rank(["blocks.0.w", "tok_emb.weight"], first=True), rank(["blocks.1.w"], last=True)]
+    assert not summary(missing, names)["matches"] and not summary(untied, names)["matches"]
 
 
 @pytest.mark.timeout(400)
-def test_fsdp_inside_the_pipeline_reduce_scatters_after_every_micro_batch(three):
-    """Gradient synchronisation left on: each micro-batch's backward reduce-scatters every FSDP unit of
-    the stage (its blocks and the stage), and tensor parallelism's collectives run over tp only."""
+def test_fsdp_inside_the_pipeline_reduce_scatters_per_micro_batch_by_hand_and_once_in_the_strategy(three):
+    """By hand FSDP keeps its gradient sync on: each micro-batch's backward reduce-scatters every unit of
+    the stage (its blocks and the stage); the strategy syncs in the last backward only, and the all-reduces
+    over tp of the sequence-parallel norms' gradients fall by the same factor m."""
     m = three["options"]["micro_batches"]
-    for r in three["per_rank"]:
-        units = r["blocks"][1] - r["blocks"][0] + 1
-        assert r["collectives"]["dp:reduce_scatter"] == m * units, r["rank"]
-        assert not any(k.endswith(":unseen") for k in r["collectives"]), r["collectives"]
-        assert r["collectives"]["tp:all_gather"] > 0 and "tp:reduce_scatter" in r["collectives"]
+    hand, strategy = (three["variants"][v]["per_rank"] for v in ("by_hand", "strategy"))
+    for a, b in zip(hand, strategy):
+        units = a["blocks"][1] - a["blocks"][0] + 1
+        assert a["collectives"]["dp:reduce_scatter"] == m * units and b["collectives"]["dp:reduce_scatter"] == units
+        assert a["collectives"]["tp:all_reduce"] == m * b["collectives"]["tp:all_reduce"]
+        for counts in (a["collectives"], b["collectives"]):
+            assert not any(k.endswith(":unseen") for k in counts), counts
+        assert a["collectives"]["dp:all_gather"] == b["collectives"]["dp:all_gather"]  # parameters: the same
 
 
 def test_the_three_d_layout_refuses_what_cannot_be_split():

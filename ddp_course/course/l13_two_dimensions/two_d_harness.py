@@ -40,7 +40,7 @@ LOSS_RTOL, GRAD_RTOL, UPDATE_RTOL = 1e-6, 1e-5, 1e-3
 
 class CollectiveCounter(TorchDispatchMode):
     """Every collective of this rank while active, counted as ``"<dim>:<kind>"``, ``dim`` the mesh
-    dimension of its process group (``groups``: dimension name -> its process group).
+    dimension of its process group (``groups``: dimension name -> its process group, or a list of them).
 
     A dispatch mode sees each operator reach PyTorch's dispatcher -- but not what is dispatched while
     its own handler runs: the mode is off then (torch/utils/_python_dispatch.py). So an operator on
@@ -59,15 +59,21 @@ class CollectiveCounter(TorchDispatchMode):
 
     def __init__(self, groups: dict[str, Any]) -> None:
         super().__init__()
-        self.groups = groups
-        self.names = {g.group_name: d for d, g in groups.items()}
+        # a dimension may have several groups over the same ranks (two meshes of one shape: lesson 13's
+        # three-dimensional lab builds its own and the strategy it runs builds another)
+        self.groups = {d: list({pg.group_name: pg for pg in (g if isinstance(g, (list, tuple)) else [g])}.values())
+                       for d, g in groups.items()}  # each group once
+        self.names = {g.group_name: d for d, gs in self.groups.items() for g in gs}
         self.counts: dict[str, int] = {}
         self._start: dict[str, int] = {}
 
     def _dim(self, args: tuple) -> str:
         for a in args:
             if isinstance(a, torch.ScriptObject):  # c10d's ops carry the group boxed for the dispatcher
-                a = dist.ProcessGroup.unbox(a)
+                try:
+                    a = dist.ProcessGroup.unbox(a)
+                except RuntimeError:  # another boxed argument: the reduce op of an all-reduce
+                    continue
             name = a if isinstance(a, str) else getattr(a, "group_name", None)
             if isinstance(name, str) and name in self.names:
                 return self.names[name]
@@ -85,13 +91,13 @@ class CollectiveCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
     def __enter__(self):
-        self._start = {d: g._get_sequence_number_for_group() for d, g in self.groups.items()}
+        self._start = {d: sum(g._get_sequence_number_for_group() for g in gs) for d, gs in self.groups.items()}
         return super().__enter__()
 
     def __exit__(self, *exc):
         out = super().__exit__(*exc)
-        for d, g in self.groups.items():
-            ran = g._get_sequence_number_for_group() - self._start[d]
+        for d, gs in self.groups.items():
+            ran = sum(g._get_sequence_number_for_group() for g in gs) - self._start[d]
             seen = sum(n for k, n in self.counts.items() if k.split(":")[0] == d)
             if ran != seen:
                 self.counts[f"{d}:unseen"] = ran - seen
