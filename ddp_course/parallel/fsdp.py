@@ -30,7 +30,8 @@ again for the recomputation).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -54,7 +55,7 @@ OPTIONS = {
 HELP_ORDER = 3  # its place in --help's list of strategies
 # public, not hooks: its own, which other strategies (fsdp1, fsdp_tp) and a lesson's lab use, and the two of
 # PyTorch it calls
-HELPERS = ("shard_layout", "device_mesh", "mp_policy", "cpu_offload", "offload_policy", "plain_copy", "fully_shard",
+HELPERS = ("shard", "shard_layout", "device_mesh", "mp_policy", "cpu_offload", "offload_policy", "plain_copy", "fully_shard",
            "init_device_mesh")
 
 
@@ -111,11 +112,20 @@ def wrap(model: nn.Module, info: DistInfo, cfg: TrainConfig) -> nn.Module:
     if not isinstance(getattr(model, "blocks", None), nn.ModuleList):
         raise ConfigError(f"--strategy=fsdp shards each transformer block of `model.blocks`; {type(model).__name__} "
                           "has no such ModuleList.")
-    options = {"mesh": device_mesh(info, cfg), "mp_policy": mp_policy(cfg), "offload_policy": offload_policy(info, cfg)}
-    for block in model.blocks:  # bottom-up: one all-gather / reduce-scatter group per block
-        fully_shard(block, reshard_after_forward=cfg.reshard_after_forward, **options)
-    fully_shard(model, reshard_after_forward=False, **options)  # the rest: embeddings (tied head), final LayerNorm
-    return model
+    return shard(model, model.blocks, reshard_after_forward=cfg.reshard_after_forward, mesh=device_mesh(info, cfg),
+                 mp_policy=mp_policy(cfg), offload_policy=offload_policy(info, cfg))
+
+
+def shard(root: nn.Module, blocks: Iterable[nn.Module], *, reshard_after_forward: bool = True, **options: Any
+          ) -> nn.Module:
+    """``fully_shard`` on each of ``blocks``, bottom-up (one all-gather / reduce-scatter group per block),
+    then on ``root``, which takes the rest (the embeddings with the tied head, the final LayerNorm) and
+    keeps its parameters from forward to backward. ``options``: ``fully_shard``'s (``mesh``, policies).
+    fsdp, fsdp_tp and pipeline shard this way; returns ``root``."""
+    for block in blocks:
+        fully_shard(block, reshard_after_forward=reshard_after_forward, **options)
+    fully_shard(root, reshard_after_forward=False, **options)
+    return root
 
 
 @contextlib.contextmanager

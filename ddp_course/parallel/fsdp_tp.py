@@ -31,7 +31,6 @@ from typing import Any
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from ddp_course.config import ConfigError, TrainConfig
@@ -50,7 +49,7 @@ OPTIONS = {
 TWO_RANKS = {"tp": 2}  # what it needs to run on 2 ranks (tests/core/test_every_strategy.py): a 1 x 2 mesh
 HELP_ORDER = 5  # its place in --help's list of strategies
 
-HELPERS = ("layout", "device_mesh", "init_device_mesh", "fully_shard")  # public, not hooks: lesson 13 uses the first two
+HELPERS = ("layout", "device_mesh", "init_device_mesh")  # public, not hooks: lesson 13 uses the first two
 
 LAUNCH_EXAMPLE = "--nproc_per_node=4 -m ddp_course.train --strategy=fsdp_tp --tp=2"  # what the refusal without torchrun suggests
 
@@ -87,10 +86,8 @@ def wrap(model: nn.Module, info: DistInfo, cfg: TrainConfig, *, state: dict[str,
     mesh = device_mesh(info, cfg)
     heads.quiet_sequential_redistribution()
     tp_plan.tensor_parallel(model, mesh["tp"], sequence_parallel=True)
-    options = {"mesh": mesh["dp"], "mp_policy": fsdp.mp_policy(cfg)}
-    for block in model.blocks:  # the order of lesson 09: each block one unit, then the root
-        fully_shard(block, reshard_after_forward=cfg.reshard_after_forward, **options)
-    fully_shard(model, reshard_after_forward=False, **options)
+    fsdp.shard(model, model.blocks, reshard_after_forward=cfg.reshard_after_forward, mesh=mesh["dp"],
+               mp_policy=fsdp.mp_policy(cfg))  # the order of lesson 09: each block one unit, then the root
     state["tp"] = mesh["tp"].size()
     return model
 

@@ -35,7 +35,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from ddp_course.config import ConfigError, TrainConfig
@@ -52,7 +52,7 @@ OPTIONS = {
 TWO_RANKS = {"pp": 2}  # 2 x 1 x 1: two stages, nothing else split (tests/core/test_every_strategy.py)
 HELP_ORDER = 6
 LAUNCH_EXAMPLE = "--nproc_per_node=4 -m ddp_course.train --strategy=pipeline --pp=2 --tp=2"
-HELPERS = ("layout", "bounds", "one_f_one_b", "init_device_mesh", "fully_shard")
+HELPERS = ("layout", "bounds", "one_f_one_b", "init_device_mesh")
 
 TIED, HEAD = "tok_emb.weight", "head.weight"
 
@@ -201,9 +201,7 @@ def wrap(model: nn.Module, info: DistInfo, cfg: TrainConfig) -> nn.Module:
         heads.quiet_sequential_redistribution()
         tp_plan.tensor_parallel(stage, mesh["tp"], root=tp_plan.stage_plan(stage.first, stage.last))
     if dp > 1:
-        for block in stage.blocks.values():
-            fully_shard(block, mesh=mesh["dp"])
-        fully_shard(stage, mesh=mesh["dp"])
+        fsdp.shard(stage, stage.blocks.values(), mesh=mesh["dp"])
     return PipelineModel(stage, mesh, dims, pairs[(d, t)])
 
 
