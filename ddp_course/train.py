@@ -77,23 +77,6 @@ def make_scaler(device: torch.device, precision: str) -> torch.amp.GradScaler | 
     return torch.amp.GradScaler(device.type) if precision == "fp16" else None
 
 
-def _accumulate(model: nn.Module, scaler: torch.amp.GradScaler | None, micro_batches: list[Batch],
-                plan: parallel.Strategy, device: torch.device, precision: str, no_sync: bool) -> torch.Tensor:
-    """The loop's forwards and backwards: each micro-batch's loss divided by K, its backward under the
-    strategy's ``sync_context`` unless it is the last; returns the mean loss."""
-    k_total = len(micro_batches)
-    loss_sum = torch.zeros((), device=device)
-    for k, (x, y) in enumerate(micro_batches):
-        last = k == k_total - 1
-        with plan.sync_context(model, sync=last or not no_sync):
-            with autocast(device, precision):
-                _, loss = model(x, y)
-            loss = loss / k_total
-            (scaler.scale(loss) if scaler is not None else loss).backward()
-        loss_sum += loss.detach()
-    return loss_sum
-
-
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None,
                micro_batches: Iterable[tuple[torch.Tensor, torch.Tensor]], *, device: torch.device, precision: str,
                grad_clip: float, no_sync: bool = True, plan: parallel.Strategy | None = None
@@ -108,11 +91,21 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch
     training job hands its own; by default the one that recorded ``model``).
     """
     plan = plan if plan is not None else parallel.strategy_of(model)
+    micro_batches = list(micro_batches)
+    k_total = len(micro_batches)
+    loss_sum = torch.zeros((), device=device)
     own_step = plan.forward_backward
-    if own_step is not None:  # a strategy whose step is not forward then backward (a pipeline's schedule)
-        loss_sum = own_step(model, list(micro_batches), lambda: autocast(device, precision))
-    else:
-        loss_sum = _accumulate(model, scaler, list(micro_batches), plan, device, precision, no_sync)
+    if own_step is not None:  # a pipeline's schedule: the strategy runs the forwards and backwards itself
+        loss_sum = own_step(model, micro_batches, lambda: autocast(device, precision))
+        micro_batches = []
+    for k, (x, y) in enumerate(micro_batches):
+        last = k == k_total - 1
+        with plan.sync_context(model, sync=last or not no_sync):
+            with autocast(device, precision):
+                _, loss = model(x, y)
+            loss = loss / k_total
+            (scaler.scale(loss) if scaler is not None else loss).backward()
+        loss_sum += loss.detach()
     if scaler is not None:
         scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
     grad_norm = plan.clip_grad_norm_(model, grad_clip) if grad_clip > 0 else None  # over every rank's shard (FSDP)

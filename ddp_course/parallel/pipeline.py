@@ -155,7 +155,7 @@ class PipelineModel(nn.Module):
             _recv(inp, self.prev)
         out = stage(inp)
         if not stage.last:
-            _send(out, self.next)
+            _send(out.float(), self.next)
             return None, self.loss_everywhere(None, device)
         return None, self.loss_everywhere(_lm_loss(out, y), device)
 
@@ -227,8 +227,8 @@ def forward_backward(model: PipelineModel, micro_batches: list, autocast: Callab
                     out = _lm_loss(out, y) / m
             if stage.last:
                 loss_sum += out.detach()
-            else:
-                sends.append(_isend(out.detach(), model.next))
+            else:  # in fp32 whatever autocast computed: the next stage's buffer is fp32 (gloo checks the bytes)
+                sends.append(_isend(out.detach().float(), model.next))
             held[i] = (inp, out)
         else:
             inp, out = held.pop(i)
@@ -237,9 +237,9 @@ def forward_backward(model: PipelineModel, micro_batches: list, autocast: Callab
             if stage.last:
                 out.backward()
             else:
-                grad = torch.empty_like(out)
+                grad = torch.empty_like(out, dtype=torch.float32)
                 _recv(grad, model.next)
-                out.backward(grad)
+                out.backward(grad.to(out.dtype))
             if not stage.first:
                 sends.append(_isend(inp.grad, model.prev))
     for work, _ in sends:
