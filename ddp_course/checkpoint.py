@@ -4,9 +4,10 @@ What a checkpoint holds (both formats):
 
 - ``model``: the model's state by parameter name, unwrapped (no DDP ``module.`` prefix), so it
   loads into a plain MiniGPT; ``optimizer``: AdamW's moments and step counts, keyed by the same names;
-- ``scaler``: the fp16 GradScaler's scale and growth tracker (None without one);
 - ``step``: optimizer steps done -- the LR schedule follows from it;
-- ``position``: where the data stream stands (samples seen, epoch, batch inside the epoch);
+- the job's parts that save themselves, each under its name (:class:`TrainState`): the training job's
+  are ``scaler`` (the fp16 GradScaler's scale and growth tracker, when it has one) and ``position``
+  (``data.DataPosition``: where the data stream stands: samples seen, epoch, batch inside the epoch);
 - ``rng``: the Python, torch (and CUDA) generator states of *every* rank, gathered to rank 0;
 - ``shape`` and ``world_size``: the model options and number of ranks it was made with.
 
@@ -35,8 +36,8 @@ gathers and barriers around the writing are outside any ``if rank == 0``: a coll
 rank 0 enters waits forever for the others (the classic checkpoint hang).
 
 States: how a model's and optimizer's states are read and put back is the strategy's decision.
-Every function that touches them requires ``plan=``, anything with :class:`States`'s four methods: the
-training job hands its own (``parallel.Strategy``, which holds what its strategy kept while wrapping,
+Every function that touches them requires a plan (``TrainState.plan``, or ``plan=``), anything with
+:class:`States`'s four methods: the training job hands its own (``parallel.Strategy``, which holds what its strategy kept while wrapping,
 such as FSDP x TP's tensor-parallel size); code that holds only a wrapped model hands
 ``parallel.strategy_of(model)``. :data:`DCP` is ``torch.distributed.checkpoint``'s ``get_state_dict``
 and ``set_state_dict``, right for a plain model and for DDP, FSDP and FSDP1 (the strategies that keep
@@ -55,6 +56,7 @@ import shutil
 import warnings
 import zipfile
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
@@ -68,7 +70,6 @@ if TYPE_CHECKING:  # imported where used: torch.distributed.checkpoint is slow t
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
 T = TypeVar("T")
-Scaler = torch.amp.GradScaler
 
 FORMATS = ("full", "sharded")
 POINTER = "latest"
@@ -122,6 +123,41 @@ class _DCPStates:
 
 
 DCP: States = _DCPStates()  # PyTorch's state dicts: the plan of a plain, DDP, FSDP or FSDP1 model
+
+
+class Stateful(Protocol):
+    """A part of a job that saves and restores itself: a GradScaler, ``data.DataPosition``, ..."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+# the keys a checkpoint keeps for itself: a part cannot take one of them as its name
+RESERVED = ("format", "step", "shape", "world_size", "torch", "rng", "model", "optimizer", "path")
+
+
+@dataclass
+class TrainState:
+    """A job's state as a checkpoint sees it: what :func:`save` writes and :func:`resume` puts back.
+
+    ``model`` and ``optimizer`` are read and restored through ``plan`` (the strategy's, see
+    :class:`States`); ``parts`` save themselves, each under its name (``"scaler"``, ``"position"``):
+    every rank holds the same state of them, and rank 0's is saved. ``step`` is the number of
+    optimizer steps done; :func:`resume` sets it. ``shape`` (``GPTConfig.shape()``) is recorded by a
+    save and checked by a resume (None: not checked).
+    """
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    plan: States
+    shape: dict[str, int] | None = None
+    step: int = 0
+    parts: dict[str, Stateful] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        taken = sorted(set(self.parts) & set(RESERVED))
+        if taken:
+            raise ValueError(f"a checkpoint keeps {taken} for itself; give the part another name")
 
 
 # --- where checkpoints live ------------------------------------------------------------------------
@@ -208,35 +244,6 @@ def _gather_rng(info: DistInfo) -> list[dict[str, Any]] | None:
     return gathered
 
 
-# --- the position in the data ----------------------------------------------------------------------
-
-def data_position(step: int, *, micro_batch_size: int, grad_accum_steps: int, world_size: int,
-                  batches_per_epoch: int | None = None) -> dict[str, int]:
-    """Where the data stream stands after ``step`` optimizer steps.
-
-    ``samples`` (sequences seen by all ranks together) does not depend on the world size: a resumed
-    run at another world size continues from the same sample of the epoch (see :func:`start_batch`).
-    ``micro_batches`` is per rank; ``epoch`` / ``batch_in_epoch`` locate it inside the sampler's epochs.
-    """
-    micro = step * grad_accum_steps
-    epoch, batch = divmod(micro, batches_per_epoch) if batches_per_epoch else (0, micro)
-    return {"samples": micro * micro_batch_size * world_size, "micro_batches": micro, "epoch": epoch,
-            "batch_in_epoch": batch}
-
-
-def start_batch(meta: dict[str, Any], *, micro_batch_size: int, world_size: int, grad_accum_steps: int = 1) -> int:
-    """The per-rank micro-batch index at which a resumed run continues.
-
-    From the samples seen by all ranks together: with the same layout it is exactly the saved
-    ``micro_batches``; at another world size it is the first micro-batch not yet seen (the sampler
-    of every world size walks the same shuffled order of the epoch, split over the ranks).
-    """
-    pos = meta.get("position")
-    if not pos:  # a checkpoint without a recorded position: the position follows from the step
-        return int(meta["step"]) * grad_accum_steps
-    return int(pos["samples"]) // (micro_batch_size * world_size)
-
-
 # --- writing ----------------------------------------------------------------------------------------
 
 def _fsync_dir(path: Path) -> None:
@@ -307,23 +314,23 @@ def _full_options(device: torch.device) -> StateDictOptions:
     return StateDictOptions(full_state_dict=True, cpu_offload=device.type != "cpu")
 
 
-def save(out_dir: str | os.PathLike, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
-         scaler: Scaler | None, info: DistInfo, shape: dict[str, int], *,
-         keep_last: int = 2, fmt: str = "full", position: dict[str, int] | None = None, plan: States
-         ) -> Path | None:
-    """Save the training state after ``step`` optimizer steps; returns the path on rank 0, else None.
+def save(out_dir: str | os.PathLike, state: TrainState, info: DistInfo, *, fmt: str = "full",
+         keep_last: int = 2) -> Path | None:
+    """Save ``state`` (after ``state.step`` optimizer steps); returns the path on rank 0, else None.
 
     A collective: every rank must call it. ``full``: rank 0 writes one file while the others wait at
     the closing barrier. ``sharded``: every rank writes its part with DCP. Either way the checkpoint
-    is committed by a rename and the ``latest`` pointer moves after it. ``plan`` reads the states
-    (the strategy's; see :class:`States`).
+    is committed by a rename and the ``latest`` pointer moves after it.
     """
     _check_format(fmt)
+    if state.shape is None:
+        raise ValueError("checkpoint.save needs the model's shape (TrainState.shape, GPTConfig.shape()): "
+                         "a resume checks it")
     d = ckpt_dir(out_dir)
-    path = checkpoint_path(out_dir, step, fmt)
-    meta = {"format": fmt, "step": int(step), "shape": dict(shape), "world_size": info.world_size,
-            "position": dict(position) if position else None,
-            "scaler": scaler.state_dict() if scaler is not None else None, "torch": str(torch.__version__)}
+    path = checkpoint_path(out_dir, state.step, fmt)
+    model, optimizer, plan = state.model, state.optimizer, state.plan
+    meta = {"format": fmt, "step": int(state.step), "shape": dict(state.shape), "world_size": info.world_size,
+            "torch": str(torch.__version__), **{name: part.state_dict() for name, part in state.parts.items()}}
     rng = _gather_rng(info)  # every rank takes part; rank 0 receives the list
     if fmt == "full":
         model_sd, optim_sd = plan.state_dict(model, optimizer, _full_options(info.device))  # every rank (FSDP gathers)
@@ -428,24 +435,24 @@ def load(path: str | os.PathLike, device: torch.device | str = "cpu", shape: dic
     return state
 
 
-def restore(state: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer, scaler: Scaler | None,
-            info: DistInfo | None = None, path: str | os.PathLike = "checkpoint", *, plan: States) -> int:
-    """Put a ``full`` checkpoint's states into the objects (every rank); returns the step to continue from."""
+def _restore_full(saved: dict[str, Any], state: TrainState, path: Path) -> None:
+    """Put a ``full`` checkpoint's model and optimizer states into ``state``'s (every rank)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
     try:
-        plan.load_state_dict(model, optimizer, state["model"], state["optimizer"], StateDictOptions(full_state_dict=True))
+        state.plan.load_state_dict(state.model, state.optimizer, saved["model"], saved["optimizer"],
+                                   StateDictOptions(full_state_dict=True))
     except (RuntimeError, KeyError, ValueError) as exc:
         raise CheckpointError(f"{path} does not fit this model and optimizer ({_first_line(exc)}). "
                               "Resume with the same options it was saved with, or use a fresh --out_dir.") from None
-    _restore_rest(state, scaler, info)
-    return int(state["step"])
 
 
-def _restore_rest(state: dict[str, Any], scaler: Scaler | None, info: DistInfo | None) -> None:
-    if scaler is not None and state.get("scaler"):
-        scaler.load_state_dict(state["scaler"])
-    rng = state.get("rng")
+def _restore_rest(saved: dict[str, Any], state: TrainState | None, info: DistInfo | None) -> None:
+    """The parts that save themselves (those the checkpoint holds), and this rank's generators."""
+    for name, part in (state.parts.items() if state is not None else ()):
+        if saved.get(name) is not None:
+            part.load_state_dict(saved[name])
+    rng = saved.get("rng")
     if isinstance(rng, dict):  # one state for everybody
         rng = [rng]
     if rng:
@@ -527,36 +534,45 @@ def _safe_reader_and_planner(path: Path):
     return SafeReader(path), SafePlanner()
 
 
-def resume(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer, scaler: Scaler | None,
-           info: DistInfo, shape: dict[str, int] | None = None, *, plan: States) -> dict[str, Any]:
-    """Load a checkpoint of either format into the objects, on every rank; returns its metadata.
+def resume(path: str | os.PathLike, state: TrainState, info: DistInfo) -> dict[str, Any]:
+    """Load a checkpoint of either format into ``state``, on every rank; returns its metadata.
 
     A collective: every rank must call it. The world size may differ from the one that saved it.
     The model may be wrapped (DDP) or plain; with no process group it loads in this one process.
-    Restores parameters, optimizer, scaler and this rank's RNG states; the returned dict carries
-    ``step`` and ``position`` (see :func:`start_batch`).
+    Restores the parameters and the optimizer (through ``state.plan``), every part the checkpoint
+    holds, this rank's RNG states, and ``state.step``; the returned dict is the checkpoint's
+    metadata (step, shape, world size, the parts' states, rng) and its ``path``.
     """
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"checkpoint {path} does not exist.")
     if path.is_file():
-        state = load(path, "cpu", shape)  # CPU copies; load_state_dict moves them to each rank's device
-        restore(state, model, optimizer, scaler, info, path, plan=plan)
-        return {k: v for k, v in state.items() if k not in ("model", "optimizer")} | {"path": str(path)}
+        saved = load(path, "cpu", state.shape)  # CPU copies; load_state_dict moves them to each rank's device
+        _restore_full(saved, state, path)
+        meta = {k: v for k, v in saved.items() if k not in ("model", "optimizer")}
+    else:
+        meta = _load_sharded(path, state, info)
+    _restore_rest(meta, state, info)
+    state.step = int(meta["step"])
+    return meta | {"path": str(path)}
 
+
+def _load_sharded(path: Path, state: TrainState, info: DistInfo) -> dict[str, Any]:
+    """DCP fills the model's and optimizer's tensors in place; returns ``meta.pt``."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
     _check_sharded_files(path)
-    meta = load(path, "cpu", shape)
+    meta = load(path, "cpu", state.shape)
+    model, optimizer, plan = state.model, state.optimizer, state.plan
     model_sd, optim_sd = plan.state_dict(model, optimizer)  # the structure DCP fills in place
-    state = {"model": model_sd, "optimizer": optim_sd}
+    sd = {"model": model_sd, "optimizer": optim_sd}
     reader, planner = _safe_reader_and_planner(path)
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(state, storage_reader=reader, planner=planner, no_dist=not info.is_distributed)
-        plan.load_state_dict(model, optimizer, state["model"], state["optimizer"])
+            dcp.load(sd, storage_reader=reader, planner=planner, no_dist=not info.is_distributed)
+        plan.load_state_dict(model, optimizer, sd["model"], sd["optimizer"])
     except CheckpointException as exc:  # a BaseException in DCP: the failures of every rank
         first = next(iter(exc.failures.values()))[0] if exc.failures else exc
         raise CheckpointError(f"sharded checkpoint {path} cannot be loaded into this model "
@@ -564,35 +580,7 @@ def resume(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Opt
     except (RuntimeError, KeyError, ValueError, AssertionError) as exc:
         raise CheckpointError(f"sharded checkpoint {path} does not fit this model and optimizer "
                               f"({_first_line(exc)}).") from None
-    _restore_rest(meta, scaler, info)
-    return {k: v for k, v in meta.items()} | {"path": str(path)}
-
-
-def drop_metrics_after(out_dir: str | os.PathLike, step: int) -> int:
-    """On resume (rank 0): drop the ``metrics.jsonl`` rows logged after ``step``; returns how many.
-
-    A run that crashed after its last checkpoint had logged a few steps that the resumed run
-    computes again; without this they would appear twice.
-    """
-    import json
-
-    path = Path(out_dir) / "metrics.jsonl"
-    if not path.exists():
-        return 0
-    lines = [ln for ln in path.read_text(encoding="utf-8").splitlines() if ln.strip()]
-    keep = []
-    for ln in lines:
-        try:
-            if json.loads(ln).get("step", 0) > step:
-                continue
-        except json.JSONDecodeError:  # a row cut short by the crash
-            continue
-        keep.append(ln)
-    if len(keep) != len(lines):
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text("".join(ln + "\n" for ln in keep), encoding="utf-8")
-        os.replace(tmp, path)
-    return len(lines) - len(keep)
+    return meta
 
 
 def restore_rng_after_first(batches: Iterator[T], meta: dict[str, Any], info: DistInfo) -> Iterator[T]:

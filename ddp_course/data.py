@@ -195,6 +195,37 @@ def prepare(corpus: str, block_size: int, val_fraction: float, announce: Callabl
     return Data(c, tok, TokenWindows(train_ids, block_size), TokenWindows(val_ids, block_size))
 
 
+class DataPosition:
+    """Where this rank's stream of micro-batches stands: a checkpoint's ``position``, saved and read back
+    by itself (``state_dict`` / ``load_state_dict``, as ``checkpoint.TrainState``'s parts are).
+
+    ``micro_batches`` counts this rank's micro-batches drawn; the training loop advances it as it
+    draws. Saved as ``samples`` (sequences seen by all ranks together), which does not depend on the
+    world size: a job resumed at another world size continues from the first sample not yet seen (every
+    world size's sampler walks the same shuffled order of the epoch, split over the ranks).
+    ``epoch`` / ``batch_in_epoch`` locate it inside the sampler's epochs (``batches_per_epoch``).
+    """
+
+    def __init__(self, micro_batch_size: int, world_size: int, batches_per_epoch: int | None = None,
+                 micro_batches: int = 0) -> None:
+        self.micro_batch_size, self.world_size = micro_batch_size, world_size
+        self.batches_per_epoch, self.micro_batches = batches_per_epoch, micro_batches
+
+    def advance(self, n: int) -> None:
+        """``n`` more micro-batches drawn."""
+        self.micro_batches += n
+
+    def state_dict(self) -> dict[str, int]:
+        mb, per_epoch = self.micro_batches, self.batches_per_epoch
+        epoch, batch = divmod(mb, per_epoch) if per_epoch else (0, mb)
+        return {"samples": mb * self.micro_batch_size * self.world_size, "micro_batches": mb, "epoch": epoch,
+                "batch_in_epoch": batch}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Continue after the samples ``state`` had seen, at this job's micro-batch size and world size."""
+        self.micro_batches = int(state["samples"]) // (self.micro_batch_size * self.world_size)
+
+
 def train_sampler(ds: Dataset, rank: int, world_size: int, seed: int) -> DistributedSampler:
     """Shuffled, disjoint shards, one per rank; ``set_epoch(e)`` reshuffles (call it every epoch).
 

@@ -91,15 +91,42 @@ def environment() -> dict[str, Any]:
 
 
 class MetricsWriter:
-    """Writes ``metrics.jsonl`` (one flushed line per row) on rank 0; a no-op elsewhere."""
+    """Writes ``metrics.jsonl`` (one flushed line per row) on rank 0; a no-op elsewhere.
 
-    def __init__(self, out_dir: str | os.PathLike, enabled: bool, append: bool = False) -> None:
+    ``resume_at``: a job resumed after that many steps keeps the rows up to it and appends. A run that
+    crashed after its last checkpoint had logged steps that the resumed run computes again; their rows
+    (and a row cut short by the crash) are dropped first, so no step appears twice (``dropped``: how many).
+    """
+
+    def __init__(self, out_dir: str | os.PathLike, enabled: bool, resume_at: int = 0) -> None:
         self.enabled = enabled
         self.path = Path(out_dir) / "metrics.jsonl"
         self._fh = None
+        self.dropped = 0
         if enabled:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._fh = open(self.path, "a" if append else "w", buffering=1, encoding="utf-8")
+            if resume_at:
+                self.dropped = self._drop_after(resume_at)
+            self._fh = open(self.path, "a" if resume_at else "w", buffering=1, encoding="utf-8")
+
+    def _drop_after(self, step: int) -> int:
+        """Rewrite the file without the rows logged after ``step`` (atomically); returns how many went."""
+        if not self.path.exists():
+            return 0
+        lines = [ln for ln in self.path.read_text(encoding="utf-8").splitlines() if ln.strip()]
+        keep = []
+        for ln in lines:
+            try:
+                if json.loads(ln).get("step", 0) > step:
+                    continue
+            except json.JSONDecodeError:  # a row cut short by the crash
+                continue
+            keep.append(ln)
+        if len(keep) != len(lines):
+            tmp = self.path.with_name(self.path.name + ".tmp")
+            tmp.write_text("".join(ln + "\n" for ln in keep), encoding="utf-8")
+            os.replace(tmp, self.path)
+        return len(lines) - len(keep)
 
     def write(self, row: dict[str, Any]) -> None:
         if self._fh is not None:

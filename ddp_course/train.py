@@ -34,7 +34,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from ddp_course import checkpoint, parallel
 from ddp_course.cli import HELP_FLAGS
 from ddp_course.config import ConfigError, TrainConfig, check_out_dir, help_text, parse_cli
-from ddp_course.data import Batch, CorpusError, Data, prepare, stream_batches, train_batches, val_batches
+from ddp_course.data import Batch, CorpusError, Data, DataPosition, prepare, stream_batches, train_batches, val_batches
 from ddp_course.dist import DeviceError, DistInfo, all_reduce_mean, launched_by_torchrun, log, seed_everything, setup
 from ddp_course.metrics import MetricsWriter, environment, mfu, peak_memory, reset_peak_memory, write_json
 from ddp_course.model import GPTConfig, MiniGPT
@@ -155,6 +155,7 @@ class _Job:
     n_devices: int  # devices doing the arithmetic, for MFU: one per rank, or all of DataParallel's replicas
     dp_rank: int  # which batches this rank reads: the ranks of one tensor-parallel group read the same ones
     dp_size: int  # how many different batches one step takes (the world size, unless a strategy splits the model)
+    position: DataPosition  # this rank's micro-batches drawn: the loop advances it, a checkpoint saves it
 
     @property
     def device(self) -> torch.device:
@@ -171,6 +172,11 @@ class _Job:
     @property
     def shape(self) -> dict[str, int]:
         return GPTConfig.from_train(self.cfg, self.data.tokenizer.vocab_size).shape()
+
+    def state(self, step: int = 0) -> checkpoint.TrainState:
+        """What a checkpoint saves of this job after ``step`` steps, and what a resume puts back."""
+        parts = {"position": self.position, **({"scaler": self.scaler} if self.scaler is not None else {})}
+        return checkpoint.TrainState(self.model, self.optimizer, self.plan, self.shape, step, parts)
 
     def mfu(self, tokens_per_s: float) -> float | None:
         """Model FLOPs utilisation at this throughput (None where the device's peak is unknown)."""
@@ -237,15 +243,16 @@ def _build(cfg: TrainConfig, info: DistInfo, plan: parallel.Strategy, dp_rank: i
         model = torch.compile(model)
     model = plan.wrap(model, info, cfg)
     n_devices = info.world_size * plan.devices_per_rank(model)
+    per_epoch = len(data.train) // dp_size // cfg.micro_batch_size if cfg.data_order == "sampler" else None
     return _Job(cfg, info, plan, data, model, plan.build_optimizer(model, cfg, info.device),
-                make_scaler(info.device, cfg.precision), n_params, flops_per_token, n_devices, dp_rank, dp_size)
+                make_scaler(info.device, cfg.precision), n_params, flops_per_token, n_devices, dp_rank, dp_size,
+                DataPosition(cfg.micro_batch_size, dp_size, per_epoch))
 
 
 def _resume(job: _Job) -> tuple[int, int, dict[str, Any] | None]:
     """With ``--resume``: load the latest checkpoint; returns (start step, start micro-batch, its metadata).
 
     Every rank loads (a collective): model, optimizer, scaler, this rank's RNG, the data position.
-    Rank 0 drops the metrics rows written after the checkpoint's step.
     """
     cfg, info = job.cfg, job.info
     path = checkpoint.latest(job.out_dir) if cfg.resume else None
@@ -253,13 +260,14 @@ def _resume(job: _Job) -> tuple[int, int, dict[str, Any] | None]:
         if cfg.resume:
             log(f"[ddp_course] --resume: no checkpoint in {show(checkpoint.ckpt_dir(job.out_dir))}; starting from step 0")
         return 0, 0, None
-    meta = checkpoint.resume(path, job.model, job.optimizer, job.scaler, info, job.shape, plan=job.plan)
-    start_step = meta["step"]
-    start_batch = checkpoint.start_batch(meta, micro_batch_size=cfg.micro_batch_size,
-                                         world_size=job.dp_size, grad_accum_steps=cfg.grad_accum_steps)
-    dropped = checkpoint.drop_metrics_after(job.out_dir, start_step) if info.is_main else 0
+    state = job.state()
+    meta = checkpoint.resume(path, state, info)
+    start_step = state.step
+    if not meta.get("position"):  # a checkpoint without a recorded position: the position follows from the step
+        job.position.micro_batches = start_step * cfg.grad_accum_steps
+    start_batch = job.position.micro_batches
     log(f"[ddp_course] resumed from {show(path)} at step {start_step} (saved by {meta['world_size']} rank(s); "
-        f"data from micro-batch {start_batch}{f'; {dropped} metrics rows after it dropped' if dropped else ''})")
+        f"data from micro-batch {start_batch})")
     return start_step, start_batch, meta
 
 
@@ -278,9 +286,8 @@ def _write_config(job: _Job) -> None:
         f" vocabulary {data.tokenizer.vocab_size}; model {job.n_params:,} parameters")
 
 
-def _train_data(job: _Job, start_step: int, start_batch: int, meta: dict[str, Any] | None
-                ) -> tuple[Iterator[Batch], int | None]:
-    """This rank's training batches from ``start_batch`` on, and the micro-batches per epoch (sampler order)."""
+def _train_data(job: _Job, start_step: int, start_batch: int, meta: dict[str, Any] | None) -> Iterator[Batch]:
+    """This rank's training batches from ``start_batch`` on."""
     cfg, info, data = job.cfg, job.info, job.data
     pin = job.device.type == "cuda"
     if cfg.data_order == "stream":  # random windows, rank-offset slices of one draw (no sampler, no epochs)
@@ -289,16 +296,17 @@ def _train_data(job: _Job, start_step: int, start_batch: int, meta: dict[str, An
     else:
         batches = train_batches(data.train, cfg.micro_batch_size, job.dp_rank, job.dp_size, cfg.seed,
                                 start_batch=start_batch, num_workers=cfg.num_workers, pin_memory=pin)
-    per_epoch = len(data.train) // job.dp_size // cfg.micro_batch_size if cfg.data_order == "sampler" else None
+    per_epoch = job.position.batches_per_epoch  # None: the stream has no epochs
     if start_step and per_epoch and start_batch % per_epoch:  # resumed mid-epoch: see the helper's docstring
         batches = checkpoint.restore_rng_after_first(batches, meta, info)
-    return batches, per_epoch
+    return batches
 
 
 def _micro_batches(batches: Iterator[Batch], job: _Job
                    ) -> list[Batch]:
     """The next ``grad_accum_steps`` micro-batches, on the device (asynchronous copies from pinned memory)."""
     pin = job.device.type == "cuda"
+    job.position.advance(job.cfg.grad_accum_steps)
     return [(x.to(job.device, non_blocking=pin), y.to(job.device, non_blocking=pin))
             for x, y in (next(batches) for _ in range(job.cfg.grad_accum_steps))]
 
@@ -363,13 +371,9 @@ def _train_row(job: _Job, step: int, loss: float, lr: float, tokens_per_s: float
     return row
 
 
-def _save_checkpoint(job: _Job, step: int, per_epoch: int | None) -> None:
+def _save_checkpoint(job: _Job, step: int) -> None:
     """Every rank calls it (collectives): the training state after ``step`` steps, with the data position."""
-    cfg, info = job.cfg, job.info
-    position = checkpoint.data_position(step, micro_batch_size=cfg.micro_batch_size, world_size=job.dp_size,
-                                        grad_accum_steps=cfg.grad_accum_steps, batches_per_epoch=per_epoch)
-    path = checkpoint.save(job.out_dir, step, job.model, job.optimizer, job.scaler, info, job.shape,
-                           keep_last=cfg.keep_last, fmt=cfg.ckpt_format, position=position, plan=job.plan)
+    path = checkpoint.save(job.out_dir, job.state(step), job.info, fmt=job.cfg.ckpt_format, keep_last=job.cfg.keep_last)
     if path is not None:
         log(f"[ddp_course] checkpoint {show(path)}")
 
@@ -438,8 +442,11 @@ def run_training(cfg: TrainConfig, info: DistInfo) -> dict[str, Any]:
     start_step, start_batch, meta = _resume(job)
     if info.is_main:
         _write_config(job)
-    metrics = MetricsWriter(job.out_dir, enabled=info.is_main, append=start_step > 0)
-    batches, per_epoch = _train_data(job, start_step, start_batch, meta)
+    metrics = MetricsWriter(job.out_dir, enabled=info.is_main, resume_at=start_step)
+    if metrics.dropped:
+        log(f"[ddp_course] {metrics.dropped} metrics row(s) logged after step {start_step} dropped: "
+            "this run computes those steps again")
+    batches = _train_data(job, start_step, start_batch, meta)
     val = val_batches(job.data.val, cfg.micro_batch_size, cfg.eval_batches, job.dp_rank, job.dp_size)
 
     reset_peak_memory(device)
@@ -475,7 +482,7 @@ def run_training(cfg: TrainConfig, info: DistInfo) -> dict[str, Any]:
 
         if cfg.ckpt_interval and done % cfg.ckpt_interval == 0:
             with clock.paused():
-                _save_checkpoint(job, done, per_epoch)
+                _save_checkpoint(job, done)
 
     if cfg.ckpt_interval:  # final.pt: the final parameters, for comparing runs (every rank calls it)
         checkpoint.save_final(job.out_dir, cfg.max_steps, model, info, plan=plan)

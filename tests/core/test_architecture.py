@@ -404,17 +404,24 @@ def test_a_plan_is_one_jobs_and_wraps_one_model():
 
 
 def test_checkpoint_is_handed_its_plan_and_never_looks_it_up():
-    """The training job holds its strategy and hands it to ``checkpoint`` (``plan=``, required wherever it
-    is taken: no default to fall back on): checkpoint does not import ``parallel``, so it cannot climb
-    back into it (``test_every_strategy`` shows the job never looks its plan up again)."""
+    """The training job holds its strategy and hands it to ``checkpoint`` (``plan=``, or the plan inside the
+    ``TrainState`` that save and resume take; required wherever it is taken: no default to fall back on):
+    checkpoint does not import ``parallel``, so it cannot climb back into it (``test_every_strategy``
+    shows the job never looks its plan up again)."""
     tree = ast.parse((PACKAGE / "checkpoint.py").read_text(encoding="utf-8"))
     imported = [ast.unparse(n) for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))
                 and "parallel" in ast.unparse(n)]
     assert imported == [], imported
-    taking = {f.name: default for f in ast.walk(tree) if isinstance(f, ast.FunctionDef) and f.name[0] != "_"
+    functions = {f.name: f for f in ast.walk(tree) if isinstance(f, ast.FunctionDef) and f.name[0] != "_"}
+    taking = {name: default for name, f in functions.items()
               for arg, default in zip(f.args.kwonlyargs, f.args.kw_defaults) if arg.arg == "plan"}
-    assert {"save", "save_final", "restore", "resume", "fingerprint"} <= taking.keys(), taking
+    assert {"save_final", "fingerprint"} <= taking.keys(), taking
     assert [name for name, default in taking.items() if default is not None] == []
+    for name in ("save", "resume"):  # the plan travels in the job's state
+        assert [ast.unparse(a.annotation) for a in functions[name].args.args if a.arg == "state"] == ["TrainState"]
+    state = next(c for c in ast.walk(tree) if isinstance(c, ast.ClassDef) and c.name == "TrainState")
+    fields = {ast.unparse(f.target): f.value for f in state.body if isinstance(f, ast.AnnAssign)}
+    assert "plan" in fields and fields["plan"] is None  # no default
 
 
 # --- the grading harness: split by concern, and nothing in the package runs a file by its path -------------

@@ -17,32 +17,20 @@ import pickle
 import random
 from pathlib import Path
 
-import notebook_runs
 import pytest
 import torch
+from checkpoint_runs import BASE, CKPT, FAIL_AT, crash_and_reference
 
 from ddp_course import checkpoint
 from ddp_course.checkpoint import CheckpointError
 from ddp_course.config import TrainConfig
-from ddp_course.data import TokenWindows, train_batches
+from ddp_course.data import DataPosition, TokenWindows, train_batches
 from ddp_course.dist import DistInfo
-from ddp_course.launch import run
-from ddp_course.metrics import read_jsonl
+from ddp_course.metrics import MetricsWriter, read_jsonl
 from ddp_course.model import GPTConfig, MiniGPT
 from ddp_course.paths import show
 from ddp_course.train import build_optimizer
 
-# Lesson 08's job (its ELASTIC, section 4). dropout > 0: the resumed run must also restore every rank's
-# generator, or the masks differ.
-BASE = {"strategy": "ddp", "n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 32, "micro_batch_size": 8,
-        "lr": 3e-3, "warmup_steps": 10, "max_steps": 60, "log_interval": 1, "eval_interval": 0, "eval_batches": 2,
-        "dropout": 0.1, "ckpt_interval": 20, "threads": 1}
-CKPT = 40  # the last checkpoint before the failure
-FAIL_AT = 45  # after the step-40 checkpoint and the metrics rows of the steps after it: those steps are redone
-CRASH = {"resume": True, "fail_at_step": FAIL_AT, "fail_rank": 1}
-TRAIN = "ddp_course.train"
-# torch 2.13: restarted workers would read the first attempt's gloo addresses from torchrun's shared store
-RESTART_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 SHAPE = {"vocab_size": 65, "block_size": 16, "n_layer": 1, "n_head": 2, "n_embd": 32}
 ONE = DistInfo()  # one process, no process group
 
@@ -53,15 +41,9 @@ def _final(out_dir: Path) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
-    """An uninterrupted 2-rank DDP run and the same run crashed on rank 1 and restarted by torchrun, with
-    sharded checkpoints (lesson 08's runs of the same jobs when it ran them in this session)."""
-    root = tmp_path_factory.mktemp("ckpt")
-    restart = {"torchrun_args": ["--max-restarts=1"], "env": RESTART_ENV}
-    return {"reference": notebook_runs.reuse("runs/08_uninterrupted", TRAIN, 2, **BASE) or
-            run(TRAIN, nproc=2, out_dir=root / "reference", timeout=150, progress=False, echo="none", **BASE),
-            "sharded": notebook_runs.reuse("runs/08_elastic", TRAIN, 2, **restart, **CRASH, ckpt_format="sharded", **BASE)
-            or run(TRAIN, nproc=2, out_dir=root / "sharded", timeout=200, progress=False, echo="none", **restart,
-                   **CRASH, ckpt_format="sharded", **BASE)}
+    """Lesson 08's uninterrupted 2-rank DDP run and the same run crashed on rank 1 and restarted by
+    torchrun, with sharded checkpoints (``checkpoint_runs``)."""
+    return crash_and_reference(tmp_path_factory.mktemp("ckpt"))
 
 
 # --- exact resume after a crash, torchrun restarting the job ---------------------------------------------
@@ -114,17 +96,15 @@ def _fresh(shape: dict, seed: int = 1):
 def test_every_checkpoint_function_that_touches_states_requires_the_plan(tmp_path):
     """How a model's and optimizer's states are read is its strategy's (ZeRO-1 and FSDP x TP bring their own;
     FSDP x TP's need what its wrap kept in the plan), and checkpoint keeps no table of models to guess it
-    from: ``plan=`` is required, and a call without it fails before anything is read or written."""
+    from: the plan is required (``plan=``, or the ``TrainState`` that save and resume take), and a call
+    without it fails before anything is read or written."""
     from ddp_course import parallel
 
     model, opt = _fresh(SHAPE)
-    missing = r"missing 1 required keyword-only argument: 'plan'"
-    for call in (lambda: checkpoint.fingerprint(model, opt),
-                 lambda: checkpoint.save(tmp_path, 1, model, opt, None, ONE, SHAPE),
-                 lambda: checkpoint.save_final(tmp_path, 1, model, ONE),
-                 lambda: checkpoint.resume(tmp_path, model, opt, None, ONE, SHAPE),
-                 lambda: checkpoint.restore({}, model, opt, None, ONE)):
-        with pytest.raises(TypeError, match=missing):
+    for call, missing in ((lambda: checkpoint.fingerprint(model, opt), "keyword-only argument: 'plan'"),
+                          (lambda: checkpoint.save_final(tmp_path, 1, model, ONE), "keyword-only argument: 'plan'"),
+                          (lambda: checkpoint.TrainState(model, opt), "positional argument: 'plan'")):
+        with pytest.raises(TypeError, match=f"missing 1 required {missing}"):
             call()
     assert not any(tmp_path.iterdir())  # refused before a byte was written
     assert checkpoint.fingerprint(model, opt, plan=parallel.Strategy("single")) == checkpoint.fingerprint(
@@ -134,7 +114,7 @@ def test_every_checkpoint_function_that_touches_states_requires_the_plan(tmp_pat
 def _load_one_process(path: Path):
     shape = checkpoint.load(path)["shape"]
     model, opt = _fresh(shape)
-    meta = checkpoint.resume(path, model, opt, None, ONE, shape, plan=checkpoint.DCP)
+    meta = checkpoint.resume(path, checkpoint.TrainState(model, opt, checkpoint.DCP, shape), ONE)
     return model, opt, meta
 
 
@@ -166,9 +146,10 @@ def test_data_position_carries_over_to_another_world_size(saved_world, saved_mic
     # job would have used next: every world size walks the same shuffled order of the epoch.
     ds = TokenWindows(torch.arange(2000), block_size=8)
     steps = 7
-    meta = {"step": steps, "position": checkpoint.data_position(steps, micro_batch_size=saved_micro, grad_accum_steps=1,
-                                                                 world_size=saved_world)}
-    start = checkpoint.start_batch(meta, micro_batch_size=micro, world_size=world)
+    saved, resumed = DataPosition(saved_micro, saved_world), DataPosition(micro, world)
+    saved.advance(steps)
+    resumed.load_state_dict(saved.state_dict())
+    start = resumed.micro_batches
 
     def next_global_batch(w: int, m: int, skip: int) -> set[int]:
         return {int(x[i, 0]) for r in range(w) for x, _ in [next(train_batches(ds, m, r, w, seed=3, start_batch=skip))]
@@ -195,21 +176,33 @@ def test_round_trip_restores_everything(tmp_path, fmt, one_thread):
     scaler._scale, scaler._growth_tracker = torch.tensor(256.0), torch.tensor(3, dtype=torch.int32)
     random.seed(11)
     torch.manual_seed(12)
-    pos = checkpoint.data_position(5, micro_batch_size=4, grad_accum_steps=2, world_size=1, batches_per_epoch=3)
-    checkpoint.save(tmp_path, 5, model, opt, scaler, ONE, SHAPE, fmt=fmt, position=pos, plan=checkpoint.DCP)
+    pos = DataPosition(micro_batch_size=4, world_size=1, batches_per_epoch=3)
+    pos.advance(5 * 2)  # 5 steps of 2 micro-batches
+    state = checkpoint.TrainState(model, opt, checkpoint.DCP, SHAPE, step=5, parts={"scaler": scaler, "position": pos})
+    checkpoint.save(tmp_path, state, ONE, fmt=fmt)
     want = checkpoint.fingerprint(model, opt, plan=checkpoint.DCP), random.random(), torch.rand(3)
 
     model2, opt2 = _fresh(SHAPE, seed=99)
-    scaler2 = torch.amp.GradScaler("cpu")
+    scaler2, pos2 = torch.amp.GradScaler("cpu"), DataPosition(micro_batch_size=4, world_size=1)
     assert checkpoint.fingerprint(model2, opt2, plan=checkpoint.DCP) != want[0]
-    meta = checkpoint.resume(checkpoint.latest(tmp_path), model2, opt2, scaler2, ONE, SHAPE, plan=checkpoint.DCP)
+    state2 = checkpoint.TrainState(model2, opt2, checkpoint.DCP, SHAPE, parts={"scaler": scaler2, "position": pos2})
+    meta = checkpoint.resume(checkpoint.latest(tmp_path), state2, ONE)
     assert (checkpoint.fingerprint(model2, opt2, plan=checkpoint.DCP), random.random()) == want[:2]
     assert torch.equal(torch.rand(3), want[2])
     assert scaler2.state_dict() == scaler.state_dict() and scaler2.get_scale() == 256.0
-    assert meta["step"] == 5 and meta["position"] == {"samples": 40, "micro_batches": 10, "epoch": 3,
-                                                      "batch_in_epoch": 1}
-    assert checkpoint.start_batch(meta, micro_batch_size=4, world_size=1) == 10
+    assert meta["step"] == state2.step == 5 and meta["position"] == {"samples": 40, "micro_batches": 10, "epoch": 3,
+                                                                     "batch_in_epoch": 1}
+    assert pos2.micro_batches == 10  # the part read itself back
     assert model2.head.weight is model2.tok_emb.weight  # loading keeps the tied weights tied
+
+
+def test_a_part_cannot_take_a_name_the_checkpoint_keeps_and_save_needs_the_shape(tmp_path):
+    model, opt = _fresh(SHAPE)
+    with pytest.raises(ValueError, match=r"keeps \['rng'\] for itself"):
+        checkpoint.TrainState(model, opt, checkpoint.DCP, SHAPE, parts={"rng": DataPosition(4, 1)})
+    with pytest.raises(ValueError, match="needs the model's shape"):
+        checkpoint.save(tmp_path, checkpoint.TrainState(model, opt, checkpoint.DCP), ONE)
+    assert not any(tmp_path.iterdir())
 
 
 @pytest.mark.parametrize("fmt", checkpoint.FORMATS)
@@ -218,12 +211,13 @@ def test_pointer_keep_last_and_leftovers(tmp_path, fmt, one_thread):
     assert checkpoint.latest(tmp_path) is None
     d = checkpoint.ckpt_dir(tmp_path)
     for step in (1, 2, 3):
-        checkpoint.save(tmp_path, step, model, opt, None, ONE, SHAPE, keep_last=2, fmt=fmt, plan=checkpoint.DCP)
+        checkpoint.save(tmp_path, checkpoint.TrainState(model, opt, checkpoint.DCP, SHAPE, step), ONE, fmt=fmt,
+                        keep_last=2)
     assert [p.name for p in checkpoint.list_checkpoints(tmp_path)] == [
         checkpoint.checkpoint_path(tmp_path, s, fmt).name for s in (2, 3)]
     assert checkpoint.latest(tmp_path) == checkpoint.checkpoint_path(tmp_path, 3, fmt)
     (d / "step_0000009.pt.tmp").write_bytes(b"half a file")  # what a killed save leaves behind
-    checkpoint.save(tmp_path, 4, model, opt, None, ONE, SHAPE, keep_last=2, fmt=fmt, plan=checkpoint.DCP)
+    checkpoint.save(tmp_path, checkpoint.TrainState(model, opt, checkpoint.DCP, SHAPE, 4), ONE, fmt=fmt, keep_last=2)
     assert not (d / "step_0000009.pt.tmp").exists()
     assert sorted(p.name for p in d.iterdir()) == sorted(
         [checkpoint.POINTER] + [checkpoint.checkpoint_path(tmp_path, s, fmt).name for s in (3, 4)])
@@ -243,16 +237,16 @@ def _error(fn) -> str:
 @pytest.mark.parametrize("fmt", checkpoint.FORMATS)
 def test_other_model_shape_is_named(tmp_path, fmt, one_thread):
     model, opt = _trained()
-    path = checkpoint.save(tmp_path, 1, model, opt, None, ONE, SHAPE, fmt=fmt, plan=checkpoint.DCP)
+    path = checkpoint.save(tmp_path, checkpoint.TrainState(model, opt, checkpoint.DCP, SHAPE, 1), ONE, fmt=fmt)
     other = {**SHAPE, "n_embd": 64}
     model2, opt2 = _fresh(other)
-    msg = _error(lambda: checkpoint.resume(path, model2, opt2, None, ONE, other, plan=checkpoint.DCP))
+    msg = _error(lambda: checkpoint.resume(path, checkpoint.TrainState(model2, opt2, checkpoint.DCP, other), ONE))
     assert str(path) in msg and "n_embd: checkpoint 32 vs this run 64" in msg
 
 
 def test_truncated_or_foreign_full_file_is_refused(tmp_path, one_thread):
     model, opt = _trained()
-    path = checkpoint.save(tmp_path, 1, model, opt, None, ONE, SHAPE, plan=checkpoint.DCP)
+    path = checkpoint.save(tmp_path, checkpoint.TrainState(model, opt, checkpoint.DCP, SHAPE, 1), ONE)
     data = path.read_bytes()
     path.write_bytes(data[: len(data) // 3])
     msg = _error(lambda: checkpoint.load(path))
@@ -267,13 +261,13 @@ def test_truncated_or_foreign_full_file_is_refused(tmp_path, one_thread):
 
 def test_damaged_sharded_checkpoint_is_named(tmp_path, one_thread):
     model, opt = _trained()
-    path = checkpoint.save(tmp_path, 1, model, opt, None, ONE, SHAPE, fmt="sharded", plan=checkpoint.DCP)
+    path = checkpoint.save(tmp_path, checkpoint.TrainState(model, opt, checkpoint.DCP, SHAPE, 1), ONE, fmt="sharded")
     part = path / "__0_0.distcp"
     data = part.read_bytes()
 
     def attempt() -> str:
         model2, opt2 = _fresh(SHAPE)
-        return _error(lambda: checkpoint.resume(path, model2, opt2, None, ONE, SHAPE, plan=checkpoint.DCP))
+        return _error(lambda: checkpoint.resume(path, checkpoint.TrainState(model2, opt2, checkpoint.DCP, SHAPE), ONE))
 
     part.write_bytes(data[:1000])
     msg = attempt()
@@ -295,8 +289,12 @@ def test_damaged_sharded_checkpoint_is_named(tmp_path, one_thread):
 def test_metrics_rows_after_the_checkpoint_are_dropped(tmp_path):
     rows = [{"step": s, "loss": 1.0 / s} for s in (5, 10, 15)] + [{"step": 10, "val_loss": 2.0}]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 1')
-    assert checkpoint.drop_metrics_after(tmp_path, 10) == 2  # the row of step 15 and the torn last line
-    assert read_jsonl(tmp_path / "metrics.jsonl") == [rows[0], rows[1], rows[3]]
+    writer = MetricsWriter(tmp_path, enabled=True, resume_at=10)
+    assert writer.dropped == 2  # the row of step 15 and the torn last line
+    writer.write({"step": 11, "loss": 0.5})
+    writer.close()
+    assert [{k: v for k, v in r.items() if k != "time"} for r in read_jsonl(tmp_path / "metrics.jsonl")] == [
+        rows[0], rows[1], rows[3], {"step": 11, "loss": 0.5}]
 
 
 # --- exercise 08 -------------------------------------------------------------------------------------------
@@ -315,12 +313,12 @@ def test_cuda_state_round_trip(tmp_path, fmt):
     model(x, x)[1].backward()
     opt.step()
     torch.cuda.manual_seed(5)
-    checkpoint.save(tmp_path, 1, model, opt, None, gpu, SHAPE, fmt=fmt, plan=checkpoint.DCP)
+    checkpoint.save(tmp_path, checkpoint.TrainState(model, opt, checkpoint.DCP, SHAPE, 1), gpu, fmt=fmt)
     want, draw = checkpoint.fingerprint(model, opt, plan=checkpoint.DCP), torch.rand(4, device=gpu.device)
     assert "cuda" in checkpoint.load(checkpoint.latest(tmp_path))["rng"][0]  # (a sharded folder: its meta.pt)
     model2, _ = _fresh(SHAPE, seed=3)
     model2.cuda()
     opt2 = build_optimizer(model2, TrainConfig(), gpu.device)
-    checkpoint.resume(checkpoint.latest(tmp_path), model2, opt2, None, gpu, SHAPE, plan=checkpoint.DCP)
+    checkpoint.resume(checkpoint.latest(tmp_path), checkpoint.TrainState(model2, opt2, checkpoint.DCP, SHAPE), gpu)
     assert next(model2.parameters()).is_cuda and checkpoint.fingerprint(model2, opt2, plan=checkpoint.DCP) == want
     assert torch.equal(torch.rand(4, device=gpu.device), draw)

@@ -18,6 +18,7 @@ from pathlib import Path
 import notebook_runs
 import pytest
 import torch
+from checkpoint_runs import CKPT, crash_and_reference
 from harness import start_python_module
 
 from ddp_course import checkpoint
@@ -27,17 +28,8 @@ from ddp_course.launch import run
 from ddp_course.model import GPTConfig, MiniGPT
 from ddp_course.train import build_optimizer
 
-# Lesson 08's job (its ELASTIC, section 4), as tests/core/test_checkpoint.py runs it
-BASE = {"strategy": "ddp", "n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 32, "micro_batch_size": 8,
-        "lr": 3e-3, "warmup_steps": 10, "max_steps": 60, "log_interval": 1, "eval_interval": 0, "eval_batches": 2,
-        "dropout": 0.1, "ckpt_interval": 20, "threads": 1}
-CKPT = 40  # the last checkpoint before the failure
-CRASH = {"resume": True, "fail_at_step": 45, "fail_rank": 1}
-TRAIN = "ddp_course.train"
 RESHARD = "ddp_course.course.l08_checkpointing.ckpt_reshard"
 KILL = "ddp_course.course.l08_checkpointing.ckpt_kill"
-# torch 2.13: restarted workers would read the first attempt's gloo addresses from torchrun's shared store
-RESTART_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 ONE = DistInfo()  # one process, no process group
 
 
@@ -50,21 +42,15 @@ def _fresh(shape: dict, seed: int = 1):
 def _load_one_process(path: Path):
     shape = checkpoint.load(path)["shape"]
     model, opt = _fresh(shape)
-    checkpoint.resume(path, model, opt, None, ONE, shape, plan=checkpoint.DCP)
+    checkpoint.resume(path, checkpoint.TrainState(model, opt, checkpoint.DCP, shape), ONE)
     return model, opt
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
     """Lesson 08's uninterrupted 2-rank DDP run (full checkpoints) and the same run crashed on rank 1 and
-    restarted by torchrun (sharded checkpoints)."""
-    root = tmp_path_factory.mktemp("ckpt")
-    restart = {"torchrun_args": ["--max-restarts=1"], "env": RESTART_ENV}
-    return {"reference": notebook_runs.reuse("runs/08_uninterrupted", TRAIN, 2, **BASE) or
-            run(TRAIN, nproc=2, out_dir=root / "reference", timeout=150, progress=False, echo="none", **BASE),
-            "sharded": notebook_runs.reuse("runs/08_elastic", TRAIN, 2, **restart, **CRASH, ckpt_format="sharded", **BASE)
-            or run(TRAIN, nproc=2, out_dir=root / "sharded", timeout=200, progress=False, echo="none", **restart,
-                   **CRASH, ckpt_format="sharded", **BASE)}
+    restarted by torchrun (sharded checkpoints): ``checkpoint_runs``."""
+    return crash_and_reference(tmp_path_factory.mktemp("ckpt"))
 
 
 @pytest.mark.timeout(400)
@@ -127,8 +113,8 @@ def test_sigkill_during_a_save_leaves_the_previous_checkpoint(killed, fmt):
     assert checkpoint.latest(out_dir) == checkpoint.checkpoint_path(out_dir, 1, fmt)
     assert [p.name for p in checkpoint.list_checkpoints(out_dir)] == [checkpoint.checkpoint_path(out_dir, 1, fmt).name]
     model, opt = _fresh(checkpoint.load(checkpoint.latest(out_dir))["shape"])
-    meta = checkpoint.resume(checkpoint.latest(out_dir), model, opt, None, ONE, plan=checkpoint.DCP)
+    meta = checkpoint.resume(checkpoint.latest(out_dir), checkpoint.TrainState(model, opt, checkpoint.DCP), ONE)
     assert meta["step"] == 1 and checkpoint.fingerprint(model, opt, plan=checkpoint.DCP) == report["fingerprint"]
     # the next save clears the leftover and commits normally
-    checkpoint.save(out_dir, 3, model, opt, None, ONE, meta["shape"], fmt=fmt, plan=checkpoint.DCP)
+    checkpoint.save(out_dir, checkpoint.TrainState(model, opt, checkpoint.DCP, meta["shape"], 3), ONE, fmt=fmt)
     assert not half.exists() and checkpoint.latest(out_dir).name == checkpoint.checkpoint_path(out_dir, 3, fmt).name

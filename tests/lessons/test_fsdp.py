@@ -212,8 +212,8 @@ def test_train_fsdp_resumes_a_plain_checkpoint_and_a_plain_model_loads_its_own(t
     cfg = TrainConfig(**{k: v for k, v in common.items() if k in ("n_layer", "n_head", "n_embd", "block_size")})
     model = MiniGPT(GPTConfig.from_train(cfg, 65))
     opt = build_optimizer(model, cfg, torch.device("cpu"))
-    meta = checkpoint.resume(checkpoint.checkpoint_path(tmp_path / "fsdp", 4, "sharded"), model, opt, None, DistInfo(),
-                             plan=checkpoint.DCP)
+    meta = checkpoint.resume(checkpoint.checkpoint_path(tmp_path / "fsdp", 4, "sharded"),
+                             checkpoint.TrainState(model, opt, checkpoint.DCP), DistInfo())
     assert meta["step"] == 4 and meta["world_size"] == 2
     ref = torch.load(tmp_path / "fsdp" / checkpoint.FINAL, weights_only=True)["model"]
     assert all(torch.equal(v, ref[k]) for k, v in model.state_dict().items())

@@ -266,7 +266,7 @@ def test_kill_lab_on_the_gpu_leaves_a_checkpoint_that_loads_on_the_cpu(tmp_path)
     report = json.loads((tmp_path / "ckpt_kill.json").read_text())
     model = MiniGPT(GPTConfig(**SHAPE))
     opt = build_optimizer(model, TrainConfig(), torch.device("cpu"))
-    meta = checkpoint.resume(checkpoint.latest(tmp_path), model, opt, None, DistInfo(), plan=checkpoint.DCP)
+    meta = checkpoint.resume(checkpoint.latest(tmp_path), checkpoint.TrainState(model, opt, checkpoint.DCP), DistInfo())
     assert meta["step"] == 1 and checkpoint.fingerprint(model, opt, plan=checkpoint.DCP) == report["fingerprint"]
 
 

@@ -50,16 +50,16 @@ def forgetting(part: str):
     """While active, ``checkpoint.resume`` restores everything except ``part``."""
     real = checkpoint.resume
 
-    def resume(path, model, optimizer, scaler, info, shape=None, **kwargs):
+    def resume(path, state, info):
         fresh_rng = checkpoint.rng_state(info.device)  # as a run that starts from scratch has them
-        meta = real(path, model, optimizer, scaler, info, shape, **kwargs)  # kwargs: the job's plan
+        meta = real(path, state, info)
         if part == "rng":
             checkpoint.set_rng_state(fresh_rng, info.device)
             meta = {**meta, "rng": None}
         elif part == "data":
-            meta = {**meta, "position": {"samples": 0, "micro_batches": 0, "epoch": 0, "batch_in_epoch": 0}}
+            state.parts["position"].load_state_dict({"samples": 0})  # the data stream starts over
         elif part == "optimizer":
-            optimizer.state.clear()  # AdamW starts its moments and bias correction from zero again
+            state.optimizer.state.clear()  # AdamW starts its moments and bias correction from zero again
         return meta
 
     checkpoint.resume = resume

@@ -93,7 +93,7 @@ def main(argv: list[str]) -> int:
                        grad_clip=1.0)
 
         step()
-        path1 = checkpoint.save(out_dir, 1, model, optimizer, None, info, SHAPE, keep_last=2, fmt=fmt, plan=plan)
+        path1 = checkpoint.save(out_dir, checkpoint.TrainState(model, optimizer, plan, SHAPE, step=1), info, fmt=fmt)
         fp1 = checkpoint.fingerprint(model, optimizer, plan=plan)
         step()
         where = arm_kill(fmt) if info.is_main else ""
@@ -104,7 +104,7 @@ def main(argv: list[str]) -> int:
             write_json(out_dir / "ckpt_kill.json", report)
             log(f"saved checkpoint 1 ({path1.name}, fingerprint {fp1}); saving checkpoint 2 and killing rank 0 "
                 f"with SIGKILL when {where}")
-        checkpoint.save(out_dir, 2, model, optimizer, None, info, SHAPE, keep_last=2, fmt=fmt, plan=plan)
+        checkpoint.save(out_dir, checkpoint.TrainState(model, optimizer, plan, SHAPE, step=2), info, fmt=fmt)
     log("error: the save completed, so the kill did not happen; nothing was shown")
     return 1
 

@@ -27,6 +27,7 @@ from ddp_course import checkpoint, parallel
 from ddp_course.cli import FlagError, command, parse_flags
 from ddp_course.config import TrainConfig
 from ddp_course.course.options import require_device
+from ddp_course.data import DataPosition
 from ddp_course.dist import log, setup
 from ddp_course.metrics import write_json
 from ddp_course.model import GPTConfig, MiniGPT
@@ -45,7 +46,7 @@ def load_into_new_job(path: str | Path, info) -> dict[str, Any]:
     plan = parallel.plan_for(cfg)
     model = plan.wrap(MiniGPT(GPTConfig(**shape)).to(info.device), info, cfg)
     optimizer = build_optimizer(model, cfg, info.device)
-    meta = checkpoint.resume(path, model, optimizer, None, info, shape, plan=plan)
+    meta = checkpoint.resume(path, checkpoint.TrainState(model, optimizer, plan, shape), info)
     step, saved_ws = int(meta["step"]), int(meta["world_size"])
     row = {"path": str(path), "format": checkpoint.format_of(path), "saved_world_size": saved_ws, "step": step,
            "fingerprint": checkpoint.fingerprint(model, optimizer, plan=plan),
@@ -55,9 +56,10 @@ def load_into_new_job(path: str | Path, info) -> dict[str, Any]:
         global_batch = pos["samples"] // step
         if global_batch % info.world_size == 0:
             micro = global_batch // info.world_size
+            here = DataPosition(micro, info.world_size)  # this job's data stream, read back from the saved one
+            here.load_state_dict(pos)
             row["same_global_batch"] = {"global_batch": global_batch, "micro_batch_size": micro,
-                                        "start_batch": checkpoint.start_batch(meta, micro_batch_size=micro,
-                                                                              world_size=info.world_size)}
+                                        "start_batch": here.micro_batches}
     return row
 
 

@@ -258,14 +258,15 @@ def checkpoints_across(opts: dict[str, Any], info, data, out_dir: Path) -> dict[
                 shutil.rmtree(run_dir, ignore_errors=True)
             dist.barrier()
             shape = shape_of(cfg_src, vocab)
-            saved = checkpoint.save(run_dir, 2, model, optimizer, None, info, shape, keep_last=1, fmt=fmt,
-                                    plan=parallel.strategy_of(model))
+            saved = checkpoint.save(run_dir, checkpoint.TrainState(model, optimizer, parallel.strategy_of(model),
+                                                                 shape, step=2), info, fmt=fmt, keep_last=1)
             path = checkpoint.checkpoint_path(run_dir, 2, fmt)
             want_model, want_optim = full_state(model), optimizer_full(model, optimizer)
 
             cfg_dst = variant_config(dst, opts, info.world_size)
             model2, optimizer2 = build(cfg_dst.replace(seed=cfg_dst.seed + 1), info, vocab)  # other weights first
-            meta = checkpoint.resume(path, model2, optimizer2, None, info, shape, plan=parallel.strategy_of(model2))
+            meta = checkpoint.resume(path, checkpoint.TrainState(model2, optimizer2, parallel.strategy_of(model2),
+                                                                 shape), info)
             got_model, got_optim = full_state(model2), optimizer_full(model2, optimizer2)
             results[f"{src}->{dst} ({fmt})"] = {
                 "path": str(saved) if saved else str(path), "step": int(meta["step"]),
