@@ -17,6 +17,7 @@ them, apart from what an exercise imports (lesson 13's exercise asks for the pla
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -122,6 +123,27 @@ def natural_rows(state: dict[str, Any], n_embd: int, tp: int) -> dict[str, Any]:
 def tp_rows(state: dict[str, Any], n_embd: int, tp: int) -> dict[str, Any]:
     """The inverse of :func:`natural_rows`: the qkv rows in the tensor-parallel order of ``tp`` ranks."""
     return _reorder_qkv(state, qkv_order(n_embd, tp))
+
+
+def optimizer_rows(optim_sd: dict[str, Any], convert: Callable[[dict[str, Any], int, int], dict[str, Any]],
+                   n_embd: int, tp: int) -> dict[str, Any]:
+    """``optim_sd`` with ``convert`` (:func:`natural_rows` or :func:`tp_rows`) applied to the AdamW moments
+    of every qkv parameter, keyed by parameter name as DCP keys them: nested (``{"state": {name:
+    {"exp_avg": ...}}}``) or flattened (``{"state.<name>.exp_avg": ...}``). The same order on every
+    rank: reordering a DTensor is a collective."""
+    if tp == 1:  # one tensor-parallel rank: the rows are in the model's own order already
+        return optim_sd
+
+    def rows(name: Any, t: Any) -> Any:
+        if not (isinstance(name, str) and name.endswith(QKV) and isinstance(t, torch.Tensor) and t.dim() >= 1):
+            return t
+        return convert({name: t}, n_embd, tp)[name]
+
+    if "state" in optim_sd:
+        return {**optim_sd, "state": {name: {k: rows(name, t) for k, t in per.items()}
+                                      for name, per in optim_sd["state"].items()}}
+    return {key: rows(key.split(".", 1)[1].rsplit(".", 1)[0], t) if key.startswith("state.") else t
+            for key, t in optim_sd.items()}
 
 
 def _reorder_qkv(state: dict[str, Any], rows: torch.Tensor) -> dict[str, Any]:

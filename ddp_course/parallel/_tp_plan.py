@@ -73,6 +73,15 @@ def stage_plan(first: bool, last: bool) -> dict[str, Any]:
             if (first if key == "blocks.0" else last)}
 
 
+def indivisible(cfg: Any, tp: int, *, sequence_parallel: bool = True) -> tuple[str, int] | None:
+    """The first of the model's sizes (``cfg``: a ``TrainConfig`` or ``GPTConfig``) that ``tp`` ranks cannot
+    split, as (option, value): the heads, the width and, with sequence parallelism, the sequence. None
+    when every one divides."""
+    sizes = [("n_head", cfg.n_head), ("n_embd", cfg.n_embd)] + ([("block_size", cfg.block_size)]
+                                                                if sequence_parallel else [])
+    return next(((what, size) for what, size in sizes if size % tp), None)
+
+
 def tensor_parallel(model: MiniGPT, mesh: DeviceMesh, *, sequence_parallel: bool = True,
                     vocab_parallel: bool = False, root: dict[str, Any] | None = None) -> MiniGPT:
     """Split every block of ``model`` over the 1-D ``mesh`` (the tensor-parallel ranks), in place.
@@ -82,11 +91,9 @@ def tensor_parallel(model: MiniGPT, mesh: DeviceMesh, *, sequence_parallel: bool
     from torch.distributed.tensor.parallel import parallelize_module
 
     n = mesh.size()
-    cfg = model.cfg
-    for what, size in (("n_head", cfg.n_head), ("n_embd", cfg.n_embd)) + (
-            (("block_size", cfg.block_size),) if sequence_parallel else ()):
-        if size % n:
-            raise ValueError(f"{what}={size} does not split over {n} tensor-parallel ranks")
+    bad = indivisible(model.cfg, n, sequence_parallel=sequence_parallel)
+    if bad:
+        raise ValueError(f"{bad[0]}={bad[1]} does not split over {n} tensor-parallel ranks")
     for block in model.blocks.children():  # a list of blocks, or a pipeline stage's dict of them
         rearrange_qkv(block.attn, n)
         block.attn = HeadParallelAttention(block.attn, n)

@@ -61,10 +61,10 @@ def layout(world_size: int, cfg: TrainConfig) -> tuple[int, int]:
         divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
         raise ConfigError(f"--tp={tp} does not divide the {world_size} rank(s) of this job into equal tensor-parallel "
                           f"groups; use one of {divisors} (the data-parallel size is the world size / tp).")
-    for what, size in (("n_head", cfg.n_head), ("n_embd", cfg.n_embd), ("block_size", cfg.block_size)):
-        if size % tp:
-            raise ConfigError(f"--strategy=fsdp_tp splits the heads, the width and (sequence parallelism) the sequence "
-                              f"over --tp={tp} ranks, but --{what}={size} does not divide by {tp}.")
+    bad = tp_plan.indivisible(cfg, tp)
+    if bad:
+        raise ConfigError(f"--strategy=fsdp_tp splits the heads, the width and (sequence parallelism) the sequence "
+                          f"over --tp={tp} ranks, but --{bad[0]}={bad[1]} does not divide by {tp}.")
     return world_size // tp, tp
 
 
@@ -121,27 +121,8 @@ def state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, options: Any 
 
     model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
     tp = state["tp"]
-    return _rows(model, model_sd, heads.natural_rows, tp), _optim_rows(model, optim_sd, heads.natural_rows, tp)
-
-
-def _rows(model: nn.Module, model_sd: dict, convert, tp: int) -> dict:
-    return convert(model_sd, model.cfg.n_embd, tp)
-
-
-def _optim_rows(model: nn.Module, optim_sd: dict, convert, tp: int) -> dict:
-    """``optim_sd`` with ``convert`` applied to the moments of every qkv parameter (DCP keys the
-    optimizer's state by parameter name). The same order on every rank: a DTensor's is a collective."""
-    state = optim_sd.get("state")
-    if not state:
-        return optim_sd
-    n_embd = model.cfg.n_embd
-    out = {}
-    for name, per_param in state.items():
-        if isinstance(name, str) and name.endswith(heads.QKV):
-            per_param = {k: convert({name: v}, n_embd, tp)[name] if isinstance(v, torch.Tensor) and v.dim() >= 1
-                         else v for k, v in per_param.items()}
-        out[name] = per_param
-    return {**optim_sd, "state": out}
+    return (heads.natural_rows(model_sd, model.cfg.n_embd, tp),
+            heads.optimizer_rows(optim_sd, heads.natural_rows, model.cfg.n_embd, tp))
 
 
 def load_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, model_sd: dict, optim_sd: dict,
@@ -149,8 +130,8 @@ def load_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, model_sd
     """The inverse of :func:`state_dict`: the qkv rows back in the tensor-parallel order, then DCP's."""
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
-    model_sd = _rows(model, model_sd, heads.tp_rows, state["tp"])
-    optim_sd = _optim_rows(model, optim_sd, heads.tp_rows, state["tp"])
+    model_sd = heads.tp_rows(model_sd, model.cfg.n_embd, state["tp"])
+    optim_sd = heads.optimizer_rows(optim_sd, heads.tp_rows, model.cfg.n_embd, state["tp"])
     set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd, options=options)
 
 
@@ -158,7 +139,7 @@ def model_state_dict(model: nn.Module, options: Any = None, *, state: dict[str, 
     """The model's state dict alone (``final.pt``, fingerprints), the qkv rows in the model's own order."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    return _rows(model, get_model_state_dict(model, options=options), heads.natural_rows, state["tp"])
+    return heads.natural_rows(get_model_state_dict(model, options=options), model.cfg.n_embd, state["tp"])
 
 
 def gathered(model: nn.Module, *, state: dict[str, Any]) -> nn.Module:

@@ -69,10 +69,10 @@ def layout(world_size: int, cfg: TrainConfig) -> tuple[int, int, int]:
     if cfg.n_layer < pp - 1:  # the last stage may hold the final norm and the head alone
         raise ConfigError(f"--n_layer={cfg.n_layer} cannot give each of the first {pp - 1} of {pp} stages a block; "
                           f"use --n_layer={pp - 1} or more, or a smaller --pp.")
-    for what, size in (("n_head", cfg.n_head), ("n_embd", cfg.n_embd), ("block_size", cfg.block_size)):
-        if size % tp:
-            raise ConfigError(f"--strategy=pipeline splits the heads, the width and the sequence of each stage over "
-                              f"--tp={tp} ranks, but --{what}={size} does not divide by {tp}.")
+    bad = tp_plan.indivisible(cfg, tp)
+    if bad:
+        raise ConfigError(f"--strategy=pipeline splits the heads, the width and the sequence of each stage over "
+                          f"--tp={tp} ranks, but --{bad[0]}={bad[1]} does not divide by {tp}.")
     if cfg.precision == "fp16":
         raise ConfigError("--strategy=pipeline does not take --precision=fp16: each stage's loss scaler would skip "
                           "steps on its own; use --precision=bf16 or fp32.")
@@ -309,24 +309,6 @@ def _cpu(state: dict) -> dict:
             for k, v in state.items()}
 
 
-def _optim_rows(optim_sd: dict, model: PipelineModel, convert) -> dict:
-    """``optim_sd`` with ``convert`` applied to the AdamW moments of every qkv parameter: nested
-    (``{"state": {name: {"exp_avg": ...}}}``) or flattened (``{"state.<name>.exp_avg": ...}``)."""
-    if model.tp == 1:
-        return optim_sd
-
-    def rows(name: str, t: Any) -> Any:
-        if not (name.endswith(heads.QKV) and isinstance(t, torch.Tensor) and t.dim() >= 1):
-            return t
-        return convert({name: t}, model.cfg.n_embd, model.tp)[name]
-
-    if "state" in optim_sd:
-        return {**optim_sd, "state": {name: {k: rows(name, t) for k, t in per.items()}
-                                      for name, per in optim_sd["state"].items()}}
-    return {key: rows(key.split(".", 1)[1].rsplit(".", 1)[0], t) if key.startswith("state.") else t
-            for key, t in optim_sd.items()}
-
-
 def state_dict(model: PipelineModel, optimizer: torch.optim.Optimizer, options: Any = None) -> tuple[dict, dict]:
     """This stage's states (sharded), or with ``full_state_dict`` every stage's merged, on every rank."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
@@ -337,7 +319,7 @@ def state_dict(model: PipelineModel, optimizer: torch.optim.Optimizer, options: 
     opts = StateDictOptions(full_state_dict=True) if full else _flat()
     model_sd, optim_sd = get_state_dict(model.stage, optimizer, options=opts)
     model_sd = heads.natural_rows(model_sd, model.cfg.n_embd, model.tp) if model.tp > 1 else model_sd
-    optim_sd = _optim_rows(optim_sd, model, heads.natural_rows)
+    optim_sd = heads.optimizer_rows(optim_sd, heads.natural_rows, model.cfg.n_embd, model.tp)
     if not full:
         return model_sd, optim_sd
     models, optims = _stages(_cpu(model_sd), model), _stages(_cpu(optim_sd), model)
@@ -364,7 +346,7 @@ def load_state_dict(model: PipelineModel, optimizer: torch.optim.Optimizer, mode
         options = _flat()
     if model.tp > 1:
         model_sd = heads.tp_rows(model_sd, model.cfg.n_embd, model.tp)
-        optim_sd = _optim_rows(optim_sd, model, heads.tp_rows)
+        optim_sd = heads.optimizer_rows(optim_sd, heads.tp_rows, model.cfg.n_embd, model.tp)
     set_state_dict(model.stage, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd, options=options)
 
 
