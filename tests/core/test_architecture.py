@@ -578,6 +578,30 @@ def test_no_import_cycle_anywhere_in_the_package():
     assert not cycles(graph), f"modules that import one another: {cycles(graph)}"
 
 
+# The core's imports of course modules, as docs/ARCHITECTURE.md states them ("Boundaries"), module by module
+DOCUMENTED_EDGES = {
+    "cli": set(), "data": set(), "dist": set(), "metrics": set(), "paths": set(),
+    "config": {"cli"}, "model": {"config"}, "checkpoint": {"dist"}, "postmortem": {"paths"},
+    "launch": {"config", "data", "dist", "metrics", "parallel", "paths", "postmortem", "train"},  # train: by name
+}
+
+
+def test_the_core_imports_what_the_architecture_document_says():
+    sources = {module_name(p): (p.read_text(encoding="utf-8"), p.name == "__init__.py") for p in PACKAGE.rglob("*.py")}
+    graph = {m.removeprefix("ddp_course."): {e.removeprefix("ddp_course.") for e in edges}
+             for m, edges in import_graph(sources).items()}
+    assert {m: graph[m] for m in DOCUMENTED_EDGES} == DOCUMENTED_EDGES
+    # parallel's __init__: config, dist, checkpoint, the course's AdamW, and its own modules (loaded by name)
+    assert {"config", "dist", "checkpoint", "parallel._optimizer"} <= graph["parallel"]
+    assert {e for e in graph["parallel"] if not e.startswith("parallel.")} == {"config", "dist", "checkpoint"}
+    # a strategy (or helper) imports config, dist, model and the package's other modules, never its __init__
+    strategies = [m for m in graph if m.startswith("parallel.")]
+    assert len(strategies) >= 10
+    for m in strategies:
+        assert graph[m] <= {"config", "dist", "model"} | {s for s in strategies if s != m}, (m, graph[m])
+    assert "model" in graph["parallel.fsdp"] and "parallel.fsdp" in graph["parallel.pipeline"]
+
+
 def private_imports(source: str, package: str) -> list[str]:
     """The private names (``_x``) that ``source`` imports from the modules of ``package``."""
     return [f"{node.module}.{a.name}" for node in ast.walk(ast.parse(source))
