@@ -253,6 +253,7 @@ def _resume(job: _Job) -> tuple[int, int, dict[str, Any] | None]:
     """With ``--resume``: load the latest checkpoint; returns (start step, start micro-batch, its metadata).
 
     Every rank loads (a collective): model, optimizer, scaler, this rank's RNG, the data position.
+    (The metrics writer drops the rows logged after the checkpoint's step; the loop says both.)
     """
     cfg, info = job.cfg, job.info
     path = checkpoint.latest(job.out_dir) if cfg.resume else None
@@ -265,10 +266,7 @@ def _resume(job: _Job) -> tuple[int, int, dict[str, Any] | None]:
     start_step = state.step
     if not meta.get("position"):  # a checkpoint without a recorded position: the position follows from the step
         job.position.micro_batches = start_step * cfg.grad_accum_steps
-    start_batch = job.position.micro_batches
-    log(f"[ddp_course] resumed from {show(path)} at step {start_step} (saved by {meta['world_size']} rank(s); "
-        f"data from micro-batch {start_batch})")
-    return start_step, start_batch, meta
+    return start_step, job.position.micro_batches, meta
 
 
 def _write_config(job: _Job) -> None:
@@ -442,10 +440,11 @@ def run_training(cfg: TrainConfig, info: DistInfo) -> dict[str, Any]:
     start_step, start_batch, meta = _resume(job)
     if info.is_main:
         _write_config(job)
-    metrics = MetricsWriter(job.out_dir, enabled=info.is_main, resume_at=start_step)
-    if metrics.dropped:
-        log(f"[ddp_course] {metrics.dropped} metrics row(s) logged after step {start_step} dropped: "
-            "this run computes those steps again")
+    metrics = MetricsWriter(job.out_dir, enabled=info.is_main, resume_at=start_step)  # (rank 0) keeps rows up to it
+    if meta is not None:
+        dropped = f"; {metrics.dropped} metrics rows after it dropped" if metrics.dropped else ""
+        log(f"[ddp_course] resumed from {show(meta['path'])} at step {start_step} (saved by {meta['world_size']} "
+            f"rank(s); data from micro-batch {start_batch}{dropped})")
     batches = _train_data(job, start_step, start_batch, meta)
     val = val_batches(job.data.val, cfg.micro_batch_size, cfg.eval_batches, job.dp_rank, job.dp_size)
 
