@@ -45,13 +45,15 @@ MISTAKES = {
                           .replace("out.backward(grad)", "out.backward(grad, retain_graph=True)"),
                           ("rank 0 held", "kept alive", "retain_graph")),
     # blocking sends: in the steady phase stage 0 sends an activation while stage 1 sends a gradient,
-    # each waiting for the other to receive
+    # each waiting for the other to receive. Both sends time out after the same collective timeout: at the
+    # same moment (each rank raises "Timed out") or one first (its peer then waits, or loses it). Either
+    # way the verdict shows each rank's own send line, the two lines named below.
     "blocking sends that cross": (lambda: _variant("            sends.append(dist.isend(out.detach(), dst=rank + 1))",
                                                    "            dist.send(out.detach(), dst=rank + 1)")
                                   .replace("            sends.append(dist.isend(inp.grad, dst=rank - 1))",
                                            "            dist.send(inp.grad, dst=rank - 1)"),
-                                  ("on 2 ranks", "Timed out", "was waiting here when rank", "line", "dist.send",
-                                   "wait to receive from the other")),
+                                  ("on 2 ranks", "Timed out", "dist.send(out.detach(), dst=rank + 1)",
+                                   "dist.send(inp.grad, dst=rank - 1)", "wait to receive from the other")),
     # the warm-up's length without its cap at m: on 4 ranks with m = 2, stage 0 asks for a third micro-batch
     "a warm-up longer than m": (lambda: _variant("warmup = min(p - 1 - rank, m)", "warmup = p - 1 - rank"),
                                 ("on 4 ranks", "IndexError", "fewer than the stages", "cannot be longer than m")),
