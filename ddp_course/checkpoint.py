@@ -41,7 +41,7 @@ Every function that touches them requires a plan (``TrainState.plan``, or ``plan
 such as FSDP x TP's tensor-parallel size); code that holds only a wrapped model hands
 ``parallel.strategy_of(model)``. :data:`DCP` is ``torch.distributed.checkpoint``'s ``get_state_dict``
 and ``set_state_dict``, right for a plain model and for DDP, FSDP and FSDP1 (the strategies that keep
-PyTorch's defaults); ZeRO-1 and FSDP x TP bring their own. This module never looks a plan up: it does
+PyTorch's defaults); ZeRO-1, FSDP x TP and the pipeline bring their own. This module never looks a plan up: it does
 not import ``parallel``, and it keeps no table of models.
 """
 
@@ -74,7 +74,7 @@ T = TypeVar("T")
 FORMATS = ("full", "sharded")
 POINTER = "latest"
 FINAL = "final.pt"
-META = "meta.pt"  # inside a sharded checkpoint: step, position, scaler, rng, shape, world size
+META = "meta.pt"  # inside a sharded checkpoint: step, shape, world size, rng, each part (the job's: position, scaler)
 _NAME = re.compile(r"^step_(\d+)(\.pt)?$")
 
 
@@ -421,7 +421,7 @@ def load(path: str | os.PathLike, device: torch.device | str = "cpu", shape: dic
     """Read a checkpoint safely and check it fits ``shape``; no process group needed.
 
     A ``full`` file gives everything (model, optimizer, rng, ...); a ``sharded`` folder gives its
-    ``meta.pt`` (step, position, rng, scaler, shape): its tensors load in place with :func:`resume`.
+    ``meta.pt`` (step, shape, world size, rng, each part's state): its tensors load in place with :func:`resume`.
     """
     path = Path(path)
     if path.is_dir():

@@ -1,4 +1,5 @@
-"""The corpus, a character tokenizer, and the token-stream dataset every lesson trains on.
+"""The corpus, a character tokenizer, the token-stream dataset every lesson trains on, each rank's
+batches (a sampler's, or a stream's), and :class:`DataPosition`, where a rank's stream stands.
 
 Where the text comes from, in order:
 1. ``$DDP_COURSE_DATA/tinyshakespeare.txt`` if that variable names a directory holding the file;

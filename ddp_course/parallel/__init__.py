@@ -67,8 +67,8 @@ decided in one place, :meth:`Strategy.refusal`, from ``NEEDS_PROCESS_GROUP``; a 
 
 A plan is one job's: the training job builds it once (:func:`plan_for`, a fresh :class:`Strategy`)
 and holds it: it wraps (once), builds the optimizer, steps and samples through it, and hands it to
-``checkpoint``, whose functions that read or write states require it (``plan=``; checkpoint never looks
-a plan up). Code that only holds a wrapped model (a lesson calling ``train_step``) finds the plan that
+``checkpoint``, whose functions that read or write states require it (inside the job's
+``checkpoint.TrainState`` for ``save`` and ``resume``, ``plan=`` elsewhere; checkpoint never looks a plan up). Code that only holds a wrapped model (a lesson calling ``train_step``) finds the plan that
 wrapped it with :func:`strategy_of` (:meth:`Strategy.wrap` records it; a wrapper built by hand is
 recorded with :func:`record`): nothing asks the model which wrapper it is. A model nobody wrapped here
 gets the defaults, right for a plain model.

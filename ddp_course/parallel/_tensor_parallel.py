@@ -1,5 +1,6 @@
 """MiniGPT's attention split by heads, and the qkv row order every state dict is put back into: what
-``--strategy=fsdp_tp`` and the lessons' labs and exercises share (not a strategy: its name starts with ``_``).
+``--strategy=fsdp_tp``, ``--strategy=pipeline`` and the lessons' labs and exercises share (not a strategy:
+its name starts with ``_``).
 
 MiniGPT's attention has ONE fused linear layer, ``qkv``, whose 3C output rows are all of q, then all of
 k, then all of v. A column-wise shard of it in that order would give rank 0 of 2 all of q and half of k.
@@ -7,8 +8,8 @@ So before parallelizing, its rows are reordered head-major per rank (:func:`rear
 contiguous block becomes [q of its heads; k of its heads; v of its heads] -- the same weights in
 another order. :class:`HeadParallelAttention` is the attention's computation on a rank's heads. Every
 state dict that leaves a strategy puts the rows back in the model's own order (:func:`natural_rows`),
-and every one that comes in is reordered again (:func:`tp_rows`), so that a checkpoint means the same
-weights whatever the mesh that wrote it.
+and every one that comes in is reordered again (:func:`tp_rows`), AdamW's moments with them
+(:func:`optimizer_rows`), so that a checkpoint means the same weights whatever the mesh that wrote it.
 
 Which module gets which parallel style (the plans) is not here: ``ddp_course.parallel._tp_plan`` holds
 them, apart from what an exercise imports (lesson 13's exercise asks for the plan).

@@ -1,6 +1,7 @@
 """MiniGPT's tensor- and sequence-parallel plans: which module of a block, and of the model around the
-blocks, gets which parallel style of ``torch.distributed.tensor.parallel`` (``--strategy=fsdp_tp`` and
-lesson 13's lab; not a strategy: its name starts with ``_``).
+blocks, gets which parallel style of ``torch.distributed.tensor.parallel`` (``--strategy=fsdp_tp``,
+``--strategy=pipeline`` for each stage, and lesson 13's labs; not a strategy: its name starts with ``_``),
+and :func:`indivisible`, the one check that the tensor-parallel ranks can split the model.
 
 The plans (:func:`block_plan`, :func:`root_plan`) follow Megatron-LM's layout: ``qkv`` and ``mlp.fc``
 column-wise, ``attn.proj`` and ``mlp.proj`` row-wise. With ``sequence_parallel`` the LayerNorms and the

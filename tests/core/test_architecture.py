@@ -578,11 +578,12 @@ def test_no_import_cycle_anywhere_in_the_package():
     assert not cycles(graph), f"modules that import one another: {cycles(graph)}"
 
 
-# The core's imports of course modules, as docs/ARCHITECTURE.md states them ("Boundaries"), module by module
+# The core's imports of course modules, as docs/ARCHITECTURE.md states them ("Import rules"), module by module
 DOCUMENTED_EDGES = {
     "cli": set(), "data": set(), "dist": set(), "metrics": set(), "paths": set(),
     "config": {"cli"}, "model": {"config"}, "checkpoint": {"dist"}, "postmortem": {"paths"},
     "launch": {"config", "data", "dist", "metrics", "parallel", "paths", "postmortem", "train"},  # train: by name
+    "_postmortem.sitecustomize": set(),  # the start-up hook every rank loads
 }
 
 
@@ -591,15 +592,20 @@ def test_the_core_imports_what_the_architecture_document_says():
     graph = {m.removeprefix("ddp_course."): {e.removeprefix("ddp_course.") for e in edges}
              for m, edges in import_graph(sources).items()}
     assert {m: graph[m] for m in DOCUMENTED_EDGES} == DOCUMENTED_EDGES
-    # parallel's __init__: config, dist, checkpoint, the course's AdamW, and its own modules (loaded by name)
-    assert {"config", "dist", "checkpoint", "parallel._optimizer"} <= graph["parallel"]
-    assert {e for e in graph["parallel"] if not e.startswith("parallel.")} == {"config", "dist", "checkpoint"}
-    # a strategy (or helper) imports config, dist, model and the package's other modules, never its __init__
+    # parallel's __init__: config, dist, checkpoint, and every module of its own (a strategy loaded by name)
     strategies = [m for m in graph if m.startswith("parallel.")]
     assert len(strategies) >= 10
+    assert graph["parallel"] == {"config", "dist", "checkpoint", *strategies}
+    # a strategy (or helper) imports config, dist, model and the package's other modules, never its __init__
     for m in strategies:
         assert graph[m] <= {"config", "dist", "model"} | {s for s in strategies if s != m}, (m, graph[m])
-    assert "model" in graph["parallel.fsdp"] and "parallel.fsdp" in graph["parallel.pipeline"]
+    assert {m for m in strategies if "model" in graph[m]} >= {"parallel.fsdp"}
+    assert all("parallel.fsdp" in graph[f"parallel.{m}"] for m in ("fsdp_tp", "pipeline", "fsdp1"))
+    assert all("parallel._optimizer" in graph[f"parallel.{m}"] for m in ("fsdp1", "zero1"))
+    # config reads the strategies' files as text: it imports no torch (and no parallel, above)
+    config = ast.parse((PACKAGE / "config.py").read_text(encoding="utf-8"))
+    assert not [n for n in ast.walk(config) if isinstance(n, (ast.Import, ast.ImportFrom))
+                and "torch" in ast.unparse(n)]
 
 
 def private_imports(source: str, package: str) -> list[str]:
