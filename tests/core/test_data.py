@@ -306,3 +306,16 @@ def test_prepare_builds_consistent_train_and_val_windows(no_network):
     assert len(d.val.tokens) == int(n * 0.1)
     assert d.tokenizer.decode(d.train.tokens[:100]) == d.corpus.text[:100]
     assert d.tokenizer.decode(d.val.tokens[-100:]) == d.corpus.text[-100:]
+
+
+def test_a_resumed_position_goes_on_counting_what_this_job_draws():
+    """A checkpoint's position is in samples (all ranks together), so a job with another micro-batch or
+    world size continues after the same sample, and then counts its own micro-batches from there."""
+    saved = data.DataPosition(micro_batch_size=8, world_size=2, batches_per_epoch=15)
+    saved.advance(10 * 2)  # 10 steps of 2 micro-batches: 320 samples
+    assert saved.state_dict() == {"samples": 320, "micro_batches": 20, "epoch": 1, "batch_in_epoch": 5}
+    resumed = data.DataPosition(micro_batch_size=4, world_size=1)
+    resumed.load_state_dict(saved.state_dict())
+    assert resumed.micro_batches == 80  # the 81st micro-batch of 4 is the 321st sample
+    resumed.advance(3)
+    assert resumed.state_dict()["samples"] == 320 + 3 * 4
