@@ -143,6 +143,23 @@ class CharTokenizer:
         except KeyError as exc:
             raise ValueError(f"character {exc.args[0]!r} is not in the vocabulary") from None
 
+    def encode_tensor(self, text: str) -> torch.Tensor:
+        """:meth:`encode` as one int64 tensor, computed for every character at once (each character's code
+        point looked up in a table of the vocabulary's). A corpus of a million characters takes
+        milliseconds instead of the list's fraction of a second, which every rank of every job would
+        pay at start-up."""
+        if not text:
+            return torch.zeros(0, dtype=torch.long)
+        points = torch.frombuffer(bytearray(text.encode("utf-32-le")), dtype=torch.int32)
+        codes = torch.tensor([ord(c) for c in self.chars], dtype=torch.long)
+        table = torch.full((max(int(points.max()), int(codes.max())) + 1,), -1, dtype=torch.long)
+        table[codes] = torch.arange(len(codes))
+        ids = table[points.long()]
+        unknown = ids < 0
+        if unknown.any():
+            raise ValueError(f"character {chr(int(points[unknown][0]))!r} is not in the vocabulary")
+        return ids
+
     def decode(self, ids: Iterable[int] | torch.Tensor) -> str:
         if isinstance(ids, torch.Tensor):
             ids = ids.tolist()
@@ -191,7 +208,7 @@ def prepare(corpus: str, block_size: int, val_fraction: float, announce: Callabl
     """The corpus, its character tokenizer, and the train/validation windows of ``block_size`` tokens."""
     c = load_corpus(corpus, announce=announce)
     tok = CharTokenizer.from_text(c.text)
-    ids = torch.tensor(tok.encode(c.text), dtype=torch.long)
+    ids = tok.encode_tensor(c.text)
     train_ids, val_ids = split_tokens(ids, val_fraction)
     return Data(c, tok, TokenWindows(train_ids, block_size), TokenWindows(val_ids, block_size))
 

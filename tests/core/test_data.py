@@ -319,3 +319,20 @@ def test_a_resumed_position_goes_on_counting_what_this_job_draws():
     assert resumed.micro_batches == 80  # the 81st micro-batch of 4 is the 321st sample
     resumed.advance(3)
     assert resumed.state_dict()["samples"] == 320 + 3 * 4
+
+
+def test_the_tensor_encoding_is_the_list_encoding():
+    """``encode_tensor`` (every rank's start-up: the whole corpus at once) gives ``encode``'s ids, on the corpus
+    and on text beyond ASCII, and refuses a character outside the vocabulary in the same words."""
+    corpus = data.load_corpus("tinyshakespeare", announce=lambda _: None).text
+    for text in (corpus, "naïve café — ünïcödé 🙂\n"):
+        tok = data.CharTokenizer.from_text(text)
+        ids = tok.encode_tensor(text)
+        assert ids.dtype == torch.long and torch.equal(ids, torch.tensor(tok.encode(text), dtype=torch.long))
+    assert tok.encode_tensor("").shape == (0,)
+    for outside in ("🚀", "\x00", "x"):  # beyond the last, before the first, and between characters of the table
+        with pytest.raises(ValueError) as listed:
+            tok.encode(outside)
+        with pytest.raises(ValueError) as vectorised:
+            tok.encode_tensor("é" + outside)
+        assert str(vectorised.value) == str(listed.value)
