@@ -261,6 +261,7 @@ TrainConfig = dataclasses.make_dataclass(
     namespace={"__module__": __name__, "__doc__": "CoreConfig's fields and every strategy's own options."})
 
 
+@functools.cache  # the fields are fixed at import; evaluating the annotations costs ms, once per option checked
 def _field_types() -> dict[str, type]:
     hints = typing.get_type_hints(TrainConfig)
     return {f.name: hints[f.name] for f in dataclasses.fields(TrainConfig)}
