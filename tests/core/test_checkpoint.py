@@ -94,10 +94,10 @@ def _fresh(shape: dict, seed: int = 1):
 
 
 def test_every_checkpoint_function_that_touches_states_requires_the_plan(tmp_path):
-    """How a model's and optimizer's states are read is its strategy's (ZeRO-1, FSDP x TP and the pipeline bring their own;
-    FSDP x TP's need what its wrap kept in the plan), and checkpoint keeps no table of models to guess it
-    from: the plan is required (``plan=``, or the ``TrainState`` that save and resume take), and a call
-    without it fails before anything is read or written."""
+    """How a model's and optimizer's states are read is its strategy's (ZeRO-1, FSDP x TP and the pipeline
+    bring their own; FSDP x TP's need what its wrap kept in the plan), and checkpoint keeps no table of
+    models to guess it from: the plan is required (``plan=``, or the ``TrainState`` that save and resume
+    take), and a call without it fails before anything is read or written."""
     from ddp_course import parallel
 
     model, opt = _fresh(SHAPE)
